@@ -1,0 +1,203 @@
+"""The public attribution API, compatible with captum's ``LRP``."""
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import composites
+from .engine import Session
+
+__all__ = ["LRP", "output_relevance", "model_logits"]
+
+Target = int | tuple | Sequence | Tensor | None
+
+
+def model_logits(output: Any) -> Tensor:
+    """The tensor a model's output is explained on: itself, its ``logits``, or its first tensor."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping) or hasattr(output, "keys"):
+        if "logits" in output.keys() and isinstance(output["logits"], Tensor):
+            return output["logits"]
+        values = list(output.values())
+    elif isinstance(output, (tuple, list)):
+        values = list(output)
+    else:
+        raise TypeError(f"relprop: the model returned {type(output).__name__}; expected a tensor, a tuple, "
+                        "a dict or a ModelOutput holding one")
+    for value in values:
+        if isinstance(value, Tensor):
+            return value
+    raise TypeError(f"relprop: the model returned a {type(output).__name__} without any tensor to explain")
+
+
+def _is_index(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_index(index: tuple, shape: torch.Size, target: Any) -> tuple[int, ...]:
+    if len(index) > len(shape) - 1:
+        raise ValueError(f"relprop: target {target!r} has {len(index)} indices, but the model output of shape "
+                         f"{tuple(shape)} has only {len(shape) - 1} dimension(s) after the batch dimension")
+    checked = []
+    for dim, value in enumerate(index, start=1):
+        if not _is_index(value):
+            raise TypeError(f"relprop: target {target!r} must hold integers, got {type(value).__name__}")
+        value, size = int(value), shape[dim]
+        if not -size <= value < size:
+            raise ValueError(f"relprop: target {target!r} is out of range for the model output of shape "
+                             f"{tuple(shape)}: index {value} on dimension {dim} of size {size}")
+        checked.append(value)
+    return tuple(checked)
+
+
+def output_relevance(output: Tensor, target: Target) -> Tensor:
+    """The relevance seeded at the output: ``output`` where ``target`` selects, 0 elsewhere.
+
+    ``target`` follows captum: None (one output per example), an int (the
+    class along dimension 1), a tuple indexing the dimensions after the batch
+    dimension (``(-1, token)``), or a list / 1-D integer tensor with one such
+    target per example. A floating-point tensor of the output's shape is
+    taken as the output relevance itself.
+    """
+    batch = output.shape[0] if output.dim() else 1
+    if isinstance(target, Tensor) and target.is_floating_point():
+        if target.shape != output.shape:
+            raise ValueError(f"relprop: output relevance of shape {tuple(target.shape)} does not match the model "
+                             f"output of shape {tuple(output.shape)}")
+        return target.to(output.dtype).detach()
+    value = output.detach()
+    mask = torch.zeros_like(value, dtype=torch.bool)
+    if target is None:
+        if value.numel() != batch:
+            raise ValueError(f"relprop: the model output has shape {tuple(value.shape)}, more than one value per "
+                             "example; pass target= to choose which one to explain")
+        mask.fill_(True)
+    elif _is_index(target) or isinstance(target, tuple):
+        index = _check_index(target if isinstance(target, tuple) else (target,), value.shape, target)
+        mask[(slice(None), *index)] = True
+    elif isinstance(target, (list, Tensor)):
+        targets = target.tolist() if isinstance(target, Tensor) else list(target)
+        if isinstance(target, Tensor) and target.dim() != 1:
+            raise ValueError(f"relprop: a target tensor must be 1-D (one class per example), got shape "
+                             f"{tuple(target.shape)}")
+        if len(targets) != batch:
+            raise ValueError(f"relprop: {len(targets)} targets given for a batch of {batch} examples")
+        for example, item in enumerate(targets):
+            index = _check_index(item if isinstance(item, tuple) else (item,), value.shape, item)
+            mask[(example, *index)] = True
+    else:
+        raise TypeError(f"relprop: target must be None, an int, a tuple, a list or a tensor, "
+                        f"got {type(target).__name__}")
+    return torch.where(mask, value, torch.zeros((), dtype=value.dtype, device=value.device))
+
+
+def _as_tuple(value: Any) -> tuple:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+class LRP:
+    """Layer-wise relevance propagation for any PyTorch model, with captum's interface.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model to explain. It is not modified: no parameter, flag, hook or
+        mode outlives a call.
+    composite : Composite, str or None
+        The rules (:mod:`relprop.composites`), a preset name such as
+        ``"epsilon-plus-flat"``, or None for ``Epsilon(1e-6)`` on every linear op.
+    strict : bool
+        Raise instead of warn when relevance reaches an op without a rule.
+
+    Examples
+    --------
+    >>> lrp = relprop.LRP(model, "epsilon-plus-flat")
+    >>> relevance = lrp.attribute(images, target=labels)
+    """
+
+    def __init__(self, model: nn.Module, composite: composites.Composite | str | None = None, strict: bool = False):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"relprop: model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.composite = composites.get(composite)
+        self.strict = strict
+
+    @contextmanager
+    def context(self) -> Iterator[Session]:
+        """Explain a forward pass you run yourself, with your own output relevance.
+
+        Inside the block, forward passes of the model build relevance graphs;
+        afterwards ``torch.autograd.grad(output, x, grad_outputs=R)`` returns
+        the relevance of ``x`` (which must require grad) for output relevance ``R``.
+
+        Examples
+        --------
+        >>> x.requires_grad_(True)
+        >>> with lrp.context():
+        ...     out = model(x)
+        >>> (relevance,) = torch.autograd.grad(out, x, grad_outputs=my_relevance)
+        """
+        session = Session(self.model, self.composite, self.strict)
+        with torch.enable_grad(), session.active():
+            yield session
+
+    def attribute(self, inputs: Tensor | Sequence[Tensor], target: Target = None,
+                  additional_forward_args: Any = None, return_convergence_delta: bool = False):
+        """Relevance of every input feature for the model's output at ``target``.
+
+        Parameters
+        ----------
+        inputs : Tensor or tuple of Tensors
+            Model inputs, batch first. Each floating-point input gets relevance.
+        target : int, tuple, list, Tensor or None
+            What to explain (captum's semantics, see :func:`output_relevance`).
+            The output relevance is the selected output value, so relevance
+            sums to about ``f_t(x)``.
+        additional_forward_args : any or tuple, optional
+            Further positional arguments of the model; they get no relevance.
+        return_convergence_delta : bool
+            Also return ``seed total - relevance total`` per example.
+
+        Returns
+        -------
+        Tensor, or tuple of Tensors for tuple inputs; and the delta if asked.
+        """
+        single = isinstance(inputs, Tensor)
+        inputs = _as_tuple(inputs)
+        if not inputs or not all(isinstance(x, Tensor) for x in inputs):
+            raise TypeError("relprop: inputs must be a tensor or a tuple of tensors")
+        if len({x.shape[0] if x.dim() else None for x in inputs}) > 1:
+            raise ValueError("relprop: inputs disagree on the batch size: "
+                             + ", ".join(str(tuple(x.shape)) for x in inputs))
+        extra = tuple(a.detach() if isinstance(a, Tensor) else a for a in _as_tuple(additional_forward_args))
+        with torch.inference_mode(False):
+            leaves = tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs)
+            with self.context():
+                # the model sees copies, so that in-place ops on its inputs are allowed
+                output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra)
+            logits = model_logits(output)
+            seed = output_relevance(logits, target)
+            explained = [x for x in leaves if x.requires_grad]
+            grads = torch.autograd.grad(logits, explained, seed, allow_unused=True) if explained else ()
+        found = iter(grads)
+        relevance = tuple(_relevance_of(x, next(found)) if x.requires_grad else torch.zeros_like(x, dtype=seed.dtype)
+                          for x in leaves)
+        result = relevance[0] if single else relevance
+        if not return_convergence_delta:
+            return result
+        total = sum(r.reshape(r.shape[0], -1).sum(1) for r in relevance)
+        return result, seed.reshape(seed.shape[0], -1).sum(1) - total
+
+
+def _relevance_of(leaf: Tensor, grad: Tensor | None) -> Tensor:
+    return torch.zeros_like(leaf) if grad is None else grad

@@ -1,0 +1,219 @@
+"""Composites: which rule each op of a model gets (DESIGN.md section 4).
+
+A composite answers, for every op of the forward pass, which rule propagates
+relevance through it. The answer is found in this order, first match wins:
+
+1. ``module.rule`` set on the module that issued the op (captum's convention);
+   it must be able to apply to every rule-bearing op of that module, else
+   :class:`~relprop.engine.RuleError` is raised.
+2. ``name_map``: the first ``(pattern, rule)`` whose shell-style pattern
+   (``fnmatch``) matches the dotted module path.
+3. ``first``: the rule for a *first layer*, a convolution or dense op fed by
+   a model input through routing ops only (reshape, pad, ...).
+4. ``layer_map``: the first ``(module type(s), rule)`` matching the module.
+5. The preset's rule for convolutions (``conv``) and dense layers (``dense``).
+6. The op family's default: epsilon (with the composite's epsilon) on sums,
+   average pooling, normalisation and BatchNorms that follow no linear op;
+   Pass on elementwise activations and on scaling by constants; max pooling
+   winner-take-all; products of two activations split uniformly, except that
+   a sigmoid-type gate or a divisor takes no relevance.
+
+A mapped rule (steps 2-4) is only used for ops of the kinds it is about
+(``rule.kinds``): a name pattern that matches a whole block gives its rule to
+the block's convolutions and leaves its activations to the default. A rule
+that is about an op's kind but cannot apply to it (Pass on a convolution
+that changes the shape) raises :class:`~relprop.engine.RuleError`.
+
+BatchNorm directly after a convolution or dense op is merged into it first,
+unless the BatchNorm module has a ``rule`` of its own.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from fnmatch import fnmatchcase
+
+from torch import Tensor, nn
+
+from . import rules
+from .rules import Rule
+
+__all__ = [
+    "Composite", "Epsilon", "EpsilonPlus", "EpsilonPlusFlat", "EpsilonAlpha2Beta1", "EpsilonAlpha2Beta1Flat",
+    "EpsilonGammaBox", "PRESETS", "get",
+]
+
+_TypeMap = Mapping[type | tuple[type, ...], Rule] | Iterable[tuple[type | tuple[type, ...], Rule]]
+_NameMap = Mapping[str, Rule] | Iterable[tuple[str, Rule]]
+
+
+def _pairs(mapping) -> list[tuple]:
+    if mapping is None:
+        return []
+    return list(mapping.items()) if isinstance(mapping, Mapping) else list(mapping)
+
+
+class Composite:
+    """Assigns a rule to every op; the base of all presets.
+
+    Parameters
+    ----------
+    epsilon : float
+        Stabiliser of the default epsilon rule on sums, pooling and
+        normalisation (and on conv/dense ops when no rule is given).
+        ``epsilon=0`` makes every default exact LRP-0.
+    conv, dense : Rule, optional
+        Rules for convolutions and for dense (``F.linear``) ops. Default:
+        ``rules.Epsilon(epsilon)``.
+    first : mapping of op kind (``"conv"``, ``"dense"``) to Rule, optional
+        Rules for first layers (fed by a model input).
+    layer_map : mapping or pairs of module type(s) to Rule, optional
+    name_map : mapping or pairs of module-path pattern to Rule, optional
+    """
+
+    def __init__(self, epsilon: float = 1e-6, conv: Rule | None = None, dense: Rule | None = None,
+                 first: Mapping[str, Rule] | None = None, layer_map: _TypeMap | None = None,
+                 name_map: _NameMap | None = None):
+        self.epsilon = epsilon
+        self.conv = conv if conv is not None else rules.Epsilon(epsilon)
+        self.dense = dense if dense is not None else rules.Epsilon(epsilon)
+        self.first = dict(first or {})
+        self.layer_map = _pairs(layer_map)
+        self.name_map = _pairs(name_map)
+        self._linear = rules.Epsilon(epsilon)
+        self._pass = rules.Pass()
+        self._uniform = rules.UniformProduct(epsilon)
+        self._gated = rules.SignalTakesAll()
+
+    @staticmethod
+    def own_rule(module: nn.Module | None) -> Rule | None:
+        """The rule set on ``module`` as ``module.rule``, if any."""
+        rule = getattr(module, "rule", None)
+        return rule if isinstance(rule, Rule) else None
+
+    def rule_for(self, call, module: nn.Module | None, name: str) -> Rule | None:
+        """The rule for ``call``, issued by ``module`` at path ``name`` (None: winner-take-all)."""
+        from .engine import RuleError
+
+        def check(rule: Rule, source: str) -> Rule:
+            if not rule.accepts(call):
+                shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
+                out = tuple(call.output.shape) if isinstance(call.output, Tensor) else "?"
+                raise RuleError(f"relprop: rule {rule!r} ({source}) cannot apply to {call.describe()} "
+                                f"(op kind '{call.kind}', input shapes {shapes}, output shape {out})")
+            return rule
+
+        own = self.own_rule(module)
+        if own is not None:
+            return check(own, f"set as .rule on module '{name or '<root>'}'")
+        for pattern, rule in self.name_map:
+            if call.kind in rule.kinds and fnmatchcase(name, pattern):
+                return check(rule, f"name_map pattern {pattern!r}")
+        if getattr(call, "is_first", False) and call.kind in self.first:
+            return check(self.first[call.kind], "first layer")
+        for types, rule in self.layer_map:
+            if call.kind in rule.kinds and isinstance(module, types):
+                return check(rule, f"layer_map entry {types}")
+        return self.default(call)
+
+    def default(self, call) -> Rule | None:
+        """The rule an op gets when nothing is mapped to it."""
+        kind = call.kind
+        if kind == "conv":
+            return self.conv
+        if kind == "dense":
+            return self.dense
+        if kind in ("sum", "norm", "batchnorm"):
+            return self._linear
+        if kind == "product" and len(call.inputs) == 2:
+            return self._gated if self._gated.accepts(call) else self._uniform
+        if kind in ("elementwise", "product"):
+            return self._pass
+        return None  # max pooling: winner-take-all
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(epsilon={self.epsilon})"
+
+
+class Epsilon(Composite):
+    """Epsilon on every linear op (preset ``epsilon``); ``Epsilon(0)`` is LRP-0 everywhere."""
+
+    def __init__(self, epsilon: float = 1e-6, **kwargs):
+        super().__init__(epsilon, **kwargs)
+
+
+class EpsilonPlus(Composite):
+    """ZPlus on convolutions, Epsilon on dense layers (zennit's ``epsilon_plus``)."""
+
+    def __init__(self, epsilon: float = 1e-6, **kwargs):
+        super().__init__(epsilon, conv=rules.ZPlus(stabilizer=epsilon), dense=rules.Epsilon(epsilon), **kwargs)
+
+
+class EpsilonPlusFlat(Composite):
+    """Flat on the first layer, ZPlus on convolutions, Epsilon on dense layers (``epsilon_plus_flat``)."""
+
+    def __init__(self, epsilon: float = 1e-6, **kwargs):
+        flat = rules.Flat(stabilizer=epsilon)
+        super().__init__(epsilon, conv=rules.ZPlus(stabilizer=epsilon), dense=rules.Epsilon(epsilon),
+                         first={"conv": flat, "dense": flat}, **kwargs)
+
+
+class EpsilonAlpha2Beta1(Composite):
+    """AlphaBeta(2, 1) on convolutions, Epsilon on dense layers (``epsilon_alpha2_beta1``)."""
+
+    def __init__(self, epsilon: float = 1e-6, **kwargs):
+        super().__init__(epsilon, conv=rules.AlphaBeta(2.0, 1.0, stabilizer=epsilon), dense=rules.Epsilon(epsilon),
+                         **kwargs)
+
+
+class EpsilonAlpha2Beta1Flat(Composite):
+    """Flat on the first layer, AlphaBeta(2, 1) on convolutions, Epsilon on dense layers."""
+
+    def __init__(self, epsilon: float = 1e-6, **kwargs):
+        flat = rules.Flat(stabilizer=epsilon)
+        super().__init__(epsilon, conv=rules.AlphaBeta(2.0, 1.0, stabilizer=epsilon), dense=rules.Epsilon(epsilon),
+                         first={"conv": flat, "dense": flat}, **kwargs)
+
+
+class EpsilonGammaBox(Composite):
+    """ZBox on a first convolution, Gamma on other convolutions, Epsilon on dense layers.
+
+    Parameters
+    ----------
+    low, high : float or Tensor
+        Smallest and largest possible input values (per channel as ``(1, C,
+        1, 1)`` tensors), in the model's input space.
+    epsilon : float
+    gamma : float
+    """
+
+    def __init__(self, low: float | Tensor, high: float | Tensor, epsilon: float = 1e-6, gamma: float = 0.25,
+                 **kwargs):
+        self.low, self.high, self.gamma = low, high, gamma
+        super().__init__(epsilon, conv=rules.Gamma(gamma, stabilizer=epsilon), dense=rules.Epsilon(epsilon),
+                         first={"conv": rules.ZBox(low, high, stabilizer=epsilon)}, **kwargs)
+
+
+#: Preset names (zennit's, with dashes) and their classes.
+PRESETS: dict[str, type[Composite]] = {
+    "epsilon": Epsilon,
+    "epsilon-plus": EpsilonPlus,
+    "epsilon-plus-flat": EpsilonPlusFlat,
+    "epsilon-alpha2-beta1": EpsilonAlpha2Beta1,
+    "epsilon-alpha2-beta1-flat": EpsilonAlpha2Beta1Flat,
+    "epsilon-gamma-box": EpsilonGammaBox,
+}
+
+
+def get(composite: Composite | str | None, **kwargs) -> Composite:
+    """A composite from an instance, a preset name (``"epsilon-plus"``; ``_`` works too) or None (epsilon)."""
+    if composite is None:
+        return Composite(**kwargs)
+    if isinstance(composite, Composite):
+        return composite
+    if isinstance(composite, str):
+        key = composite.lower().replace("_", "-")
+        if key not in PRESETS:
+            raise ValueError(f"relprop: unknown preset {composite!r}; known presets: {', '.join(PRESETS)}")
+        return PRESETS[key](**kwargs)
+    raise TypeError(f"relprop: composite must be a Composite, a preset name or None, got {type(composite).__name__}")
+

@@ -1,0 +1,206 @@
+"""The interception engine: one attribution forward pass under a torch function mode.
+
+A :class:`Session` is a :class:`torch.overrides.TorchFunctionMode` that is
+entered only for the forward pass being explained. Every torch function the
+model calls reaches :meth:`Session.__torch_function__`, which hands it to its
+op family (:mod:`relprop.ops`). Forward pre/post hooks, placed on the
+model's modules for the duration of the pass, tell which module issued each
+op, so rules can be chosen per module. On exit every hook is removed and
+every module's training flag is as before, also when the forward raises.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .graph import OpCall, is_relevance_node, propagate, watch
+from .ops import HANDLERS, has_activation, op_name
+
+__all__ = ["Session", "RuleError", "UnsupportedOpError", "UnhandledOpWarning"]
+
+
+class RuleError(ValueError):
+    """A rule was assigned to an op it cannot propagate through."""
+
+
+class UnsupportedOpError(RuntimeError):
+    """Relevance reached an op without a rule (raised in strict mode)."""
+
+
+class UnhandledOpWarning(UserWarning):
+    """Relevance reached an op without a rule; its plain gradient was used."""
+
+
+_current = threading.local()
+
+#: graph nodes searched to decide whether an op is fed by the model input
+_FIRST_LAYER_SEARCH = 256
+
+
+def _detach_parameters(values: tuple) -> tuple:
+    """Parameters enter ops as constants: relevance never flows into them, and they get no gradient buffers."""
+    if not any(isinstance(v, (nn.Parameter, list, tuple)) for v in values):
+        return values
+    out = []
+    for value in values:
+        if isinstance(value, nn.Parameter):
+            value = value.detach()
+        elif type(value) in (list, tuple) and any(isinstance(v, nn.Parameter) for v in value):
+            value = type(value)(v.detach() if isinstance(v, nn.Parameter) else v for v in value)
+        out.append(value)
+    return tuple(out)
+
+
+class Session(TorchFunctionMode):
+    """One attribution forward pass of ``model`` with rules from ``composite``.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model whose modules provide the context of each op.
+    composite : relprop.composites.Composite
+        Chooses the rule of each op.
+    strict : bool
+        Raise :class:`UnsupportedOpError` when relevance reaches an op without
+        a rule, instead of warning.
+    """
+
+    def __init__(self, model: nn.Module, composite, strict: bool = False):
+        super().__init__()
+        self.composite = composite
+        self.strict = strict
+        self._names = {module: name for name, module in model.named_modules()}
+        self._stack: list[nn.Module] = []
+        #: output tensor -> the op call that produced it
+        self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: tensors produced by sigmoid-type activations
+        self.gates: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.unhandled: list[str] = []
+
+    # ------------------------------------------------------------ module context
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The innermost module whose forward is running."""
+        return self._stack[-1] if self._stack else None
+
+    @property
+    def module_name(self) -> str:
+        module = self.module
+        return self._names.get(module, "") if module is not None else ""
+
+    def module_rule(self):
+        """The rule set on the innermost module as ``module.rule``, if any."""
+        return self.composite.own_rule(self.module)
+
+    def _enter_module(self, module: nn.Module, args: Any) -> None:
+        if getattr(_current, "session", None) is self:
+            self._stack.append(module)
+
+    def _exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
+        if getattr(_current, "session", None) is self and self._stack and self._stack[-1] is module:
+            self._stack.pop()
+
+    @contextmanager
+    def active(self) -> Iterator["Session"]:
+        """Hooks, eval mode and the torch function mode for one forward pass; all undone on exit."""
+        training = [module for module in self._names if module.training]
+        if training:
+            warnings.warn("relprop: the model is in training mode; it is explained in eval mode "
+                          "(dropout off, BatchNorm running statistics) and put back afterwards", stacklevel=3)
+        handles = []
+        previous = getattr(_current, "session", None)
+        try:
+            for module in training:
+                module.training = False
+            for module in self._names:
+                handles.append(module.register_forward_pre_hook(self._enter_module))
+                handles.append(module.register_forward_hook(self._exit_module, always_call=True))
+            _current.session = self
+            with self:
+                yield self
+        finally:
+            _current.session = previous
+            self._stack.clear()
+            for handle in handles:
+                handle.remove()
+            for module in training:
+                module.training = True
+
+    # ------------------------------------------------------------ helpers for op families
+
+    def fed_by_input(self, x: Tensor) -> bool:
+        """Whether ``x`` comes from a model input through routing ops only (the op is a first layer)."""
+        if x.grad_fn is None:
+            return x.requires_grad
+        stack, seen, reached = [x.grad_fn], set(), False
+        while stack:
+            node = stack.pop()
+            if is_relevance_node(node) or len(seen) > _FIRST_LAYER_SEARCH:
+                return False
+            if not node.next_functions and hasattr(node, "variable"):
+                reached = True
+            for parent, _ in node.next_functions:
+                if parent is not None and id(parent) not in seen:
+                    seen.add(id(parent))
+                    stack.append(parent)
+        return reached
+
+    def protect(self, tensor: Any) -> None:
+        """Before ``tensor`` is modified in place, let the call that produced it keep a copy."""
+        call = self.producers.get(tensor) if isinstance(tensor, Tensor) else None
+        if call is not None:
+            call.protect()
+
+    def run(self, call: OpCall, rule=None) -> Any:
+        """Run ``call`` as a relevance node with its rule (``rule`` or the composite's choice)."""
+        if rule is None:
+            rule = self.composite.rule_for(call, self.module, self.module_name)
+        if rule is None:  # winner-take-all: the gradient is the rule
+            return call._call(call.func, call.activations)
+        out = propagate(call, rule)
+        self.producers[out] = call
+        return out
+
+    def unknown(self, func, args: tuple, kwargs: dict) -> Any:
+        """An op without a rule: run it, and report it if relevance flows through it."""
+        out = func(*args, **kwargs)
+        if not isinstance(out, (Tensor, tuple, list)) or not has_activation(args, kwargs):
+            return out
+        description = f"{op_name(func)} in module '{self.module_name or '<root>'}'"
+        return watch(out, lambda: self._report(description))
+
+    def _report(self, description: str) -> None:
+        if self.strict:
+            raise UnsupportedOpError(f"relprop: no rule for {description}; relevance would pass through its plain "
+                                     "gradient (strict mode)")
+        if description not in self.unhandled:
+            self.unhandled.append(description)
+            warnings.warn(f"relprop: no rule for {description}; its plain gradient was used", UnhandledOpWarning,
+                          stacklevel=2)
+
+    # ------------------------------------------------------------ the mode
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args = _detach_parameters(args)
+        kwargs = dict(zip(kwargs, _detach_parameters(tuple(kwargs.values())))) if kwargs else {}
+        handler = HANDLERS.get(func)
+        try:
+            if handler is None:
+                return self.unknown(func, args, kwargs)
+            return handler(self, func, args, kwargs)
+        except Exception as error:
+            if not getattr(error, "_relprop_noted", False):
+                error._relprop_noted = True
+                error.add_note(f"relprop: raised by {op_name(func)} in module '{self.module_name or '<root>'}' "
+                               "during the attribution forward pass")
+            raise
+

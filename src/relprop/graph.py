@@ -1,0 +1,203 @@
+"""Autograd nodes that carry relevance instead of gradients.
+
+Every intercepted operation becomes one :class:`OpCall` and one node of the
+autograd graph (:class:`_Propagate`). The node's forward computes the
+original operation, so outputs are bitwise those of the plain model; its
+backward hands the incoming relevance to the call's rule. Rules that need the
+op's own vector-Jacobian product (epsilon-type rules) get it from a small
+private autograd graph recorded during the forward pass, so nothing is re-run
+in the backward pass.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["OpCall", "ParametricCall", "propagate", "watch", "is_relevance_node"]
+
+
+def _is_activation(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.requires_grad
+
+
+class OpCall:
+    """One operation of the forward pass, as its rule sees it.
+
+    Parameters
+    ----------
+    kind : str
+        The op family (see :mod:`relprop.rules`).
+    func : callable
+        The torch function that computes the output.
+    args, kwargs :
+        Its arguments. Tensors that require grad are the activation inputs,
+        everything else is a constant.
+    name : str
+        Readable op name, for messages.
+    module_name : str
+        Dotted path of the module that issued the op.
+    linearised : callable, optional
+        A function with the same signature whose gradient is the one the rule
+        should use (e.g. layer norm with its statistic detached).
+    """
+
+    def __init__(self, kind: str, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str,
+                 linearised: Callable | None = None):
+        self.kind = kind
+        self.func = func
+        self.name = name
+        self.module_name = module_name
+        self.rule = None
+        self._linearised = linearised or func
+        leaves, self._spec = tree_flatten((args, kwargs))
+        self._leaves = leaves
+        self._slots = [i for i, leaf in enumerate(leaves) if _is_activation(leaf)]
+        self.inputs: tuple[Tensor, ...] = tuple(leaves[i].detach() for i in self._slots)
+        self.output: Tensor | None = None
+        self._graph: tuple[list[Tensor], Tensor] | None = None
+
+    @property
+    def activations(self) -> tuple[Tensor, ...]:
+        """The activation inputs as the outer autograd graph knows them."""
+        return tuple(self._leaves[i] for i in self._slots)
+
+    def _call(self, func: Callable, inputs) -> Tensor:
+        leaves = list(self._leaves)
+        for slot, value in zip(self._slots, inputs):
+            leaves[slot] = value
+        args, kwargs = tree_unflatten(leaves, self._spec)
+        return func(*args, **kwargs)
+
+    def run(self) -> Tensor:
+        """Compute the output; keep the op's gradient graph if the rule needs its VJP."""
+        if self.rule.needs_vjp:
+            with torch.enable_grad():
+                leaves = [x.detach().requires_grad_() for x in self.inputs]
+                out = self._call(self._linearised, leaves)
+            self._graph = (leaves, out)
+            if self._linearised is self.func:
+                return out.detach()
+        return self._call(self.func, self.inputs)
+
+    def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """Vector-Jacobian product of the op with respect to :attr:`inputs`."""
+        leaves, out = self._graph
+        return torch.autograd.grad(out, leaves, grad, allow_unused=True)
+
+    def protect(self) -> None:
+        """Keep a private copy of the output before user code modifies it in place."""
+        if self.rule is not None and self.rule.needs_output and self.output is not None:
+            self.output = self.output.clone()
+
+    def describe(self) -> str:
+        return f"{self.name} in module '{self.module_name or '<root>'}'"
+
+
+class ParametricCall(OpCall):
+    """A parametric linear op ``f(x; weight, bias)`` (convolution, dense layer).
+
+    ``weight`` and ``bias`` are constants here; a BatchNorm that directly
+    follows the op is merged into them by :meth:`merge_batch_norm`.
+    """
+
+    def __init__(self, kind, func, args, kwargs, name, module_name, weight: Tensor, bias: Tensor | None,
+                 evaluate: Callable[[Tensor, Tensor, Tensor | None], Tensor], channel_dim: int):
+        super().__init__(kind, func, args, kwargs, name, module_name)
+        self.weight = weight
+        self.bias = bias
+        self.evaluate = evaluate
+        self.is_first = False
+        self._channel_dim = channel_dim  # weight dimension that indexes output channels
+        self._value: Tensor | None = None
+
+    def bias_term(self) -> Tensor:
+        """The bias, shaped to broadcast against the output."""
+        shape = [1] * self.output.dim()
+        shape[1 if self.kind == "conv" else -1] = -1
+        return self.bias.reshape(shape)
+
+    def run(self) -> Tensor:
+        if self._value is not None:  # a merged call: the output was computed by the BatchNorm itself
+            value, self._value = self._value, None
+            return value
+        return super().run()
+
+    def merge_batch_norm(self, batch_norm: Callable[[Tensor], Tensor], scale: Tensor, shift: Tensor) -> "ParametricCall":
+        """A copy of this call with ``batch_norm(f(x)) = f(x; scale*W, scale*b + shift)`` merged in.
+
+        The merged output is ``batch_norm`` applied to this call's output, so it
+        stays bitwise the plain model's.
+        """
+        merged = copy.copy(self)
+        shape = [1] * self.weight.dim()
+        shape[self._channel_dim] = -1
+        merged.weight = self.weight * scale.reshape(shape)
+        bias = self.bias if self.bias is not None else torch.zeros_like(scale)
+        merged.bias = bias * scale + shift
+        merged.name = f"{self.name}+batch_norm"
+        merged._value = batch_norm(self.output)
+        if self._graph is not None:
+            leaves, out = self._graph
+            with torch.enable_grad():
+                merged._graph = (leaves, batch_norm(out))
+        return merged
+
+
+class _Propagate(torch.autograd.Function):
+    """Autograd node of one op call: original op forward, rule backward."""
+
+    @staticmethod
+    def forward(ctx, call: OpCall, *activations: Tensor) -> Tensor:
+        ctx.call = call
+        return call.run()
+
+    @staticmethod
+    def backward(ctx, relevance: Tensor):
+        call = ctx.call
+        return (None, *call.rule.propagate(call, relevance))
+
+
+def propagate(call: OpCall, rule) -> Tensor:
+    """Run ``call`` as a relevance node with ``rule``; returns the (bitwise original) output."""
+    call.rule = rule
+    out = _Propagate.apply(call, *call.activations)
+    call.output = out.detach()
+    return out
+
+
+class _Watch(torch.autograd.Function):
+    """Identity on the output of an op without a rule; reports it if relevance flows through."""
+
+    @staticmethod
+    def forward(ctx, report: Callable[[], None], value: Tensor) -> Tensor:
+        ctx.report = report
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.report()
+        return None, grad
+
+
+def watch(value: Any, report: Callable[[], None]) -> Any:
+    """Wrap every floating output tensor of an unknown op so that ``report`` runs when relevance reaches it."""
+    if isinstance(value, Tensor):
+        return _Watch.apply(report, value) if value.requires_grad else value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(watch(v, report) for v in value)
+    if isinstance(value, list):
+        return [watch(v, report) for v in value]
+    return value
+
+
+_NODE_TYPES = (_Propagate._backward_cls, _Watch._backward_cls)
+
+
+def is_relevance_node(grad_fn: Any) -> bool:
+    """Whether ``grad_fn`` is a node made by :func:`propagate` or :func:`watch`."""
+    return isinstance(grad_fn, _NODE_TYPES)

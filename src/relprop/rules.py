@@ -1,0 +1,458 @@
+"""LRP rules: how the relevance of one operation's output reaches its inputs.
+
+A rule is a small object with parameters. The engine hands it an *op call*
+(see :class:`relprop.graph.OpCall`) describing one operation of the forward
+pass, and the relevance arriving at that operation's output; the rule returns
+the relevance of each of the operation's activation inputs.
+
+The op call offers:
+
+``kind``
+    The op family: ``"conv"``, ``"dense"`` (parametric linear maps),
+    ``"batchnorm"`` (a BatchNorm that could not be merged), ``"sum"`` (sums,
+    means, average pooling, interpolation), ``"norm"`` (layer/group/RMS norm
+    with the statistic held constant), ``"elementwise"``, ``"product"``,
+    ``"maxpool"``.
+``inputs``, ``output``
+    The activation inputs and the output value of the forward pass.
+``vjp(grad)``
+    The vector-Jacobian product of the (linearised) operation with respect to
+    its inputs, from the autograd graph kept from the forward pass.
+``weight``, ``bias``, ``evaluate(x, weight, bias)``
+    For parametric kinds: the parameters (a BatchNorm that follows is already
+    merged in) and the operation re-evaluated with other inputs or parameters.
+
+Linear rules follow the general form of DESIGN.md section 2: with modified
+parameters ``rho`` the modified output ``z'`` is computed, ``s = R / (z' +
+eps * sign(z'))`` and ``R_in = x * VJP(s)``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Rule", "Epsilon", "Norm", "BasicRule", "Term", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
+    "Flat", "WSquare", "Pass", "UniformProduct", "SignalTakesAll", "Proportional",
+    "denominator", "LINEAR_KINDS", "PARAMETRIC_KINDS",
+]
+
+#: Op kinds that are linear in their activation inputs.
+LINEAR_KINDS = frozenset({"conv", "dense", "batchnorm", "sum", "norm"})
+#: Op kinds with a weight and a bias that rules may modify.
+PARAMETRIC_KINDS = frozenset({"conv", "dense"})
+
+
+def denominator(z: Tensor, epsilon: float) -> Tensor:
+    """Stabilise ``z`` for a division: ``z + epsilon * sign(z)`` with ``sign(0) = +1``.
+
+    With ``epsilon == 0`` the zeros of ``z`` become ``inf``, so that dividing by
+    the result gives 0 there instead of NaN.
+    """
+    if epsilon == 0:
+        return torch.where(z == 0, math.inf, z)
+    return torch.where(z >= 0, z + epsilon, z - epsilon)
+
+
+def _sum_to(tensor: Tensor, shape: torch.Size) -> Tensor:
+    """Sum ``tensor`` over the dimensions along which ``shape`` was broadcast."""
+    return tensor if tensor.shape == shape else tensor.sum_to_size(shape)
+
+
+class Rule:
+    """Base class of all rules.
+
+    Subclasses set :attr:`kinds` (the op kinds they apply to) and implement
+    :meth:`propagate`.
+    """
+
+    #: op kinds this rule applies to
+    kinds: frozenset[str] = frozenset()
+    #: whether :meth:`propagate` calls ``call.vjp``: the engine then keeps the
+    #: op's autograd graph from the forward pass instead of re-running it
+    needs_vjp: bool = False
+    #: whether :meth:`propagate` reads ``call.output``
+    needs_output: bool = False
+
+    def accepts(self, call) -> bool:
+        """Whether this rule can propagate through ``call``."""
+        return call.kind in self.kinds
+
+    def propagate(self, call, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        """Return the relevance of each of ``call.inputs`` given the output relevance."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({params})"
+
+
+class Epsilon(Rule):
+    """LRP-epsilon: ``R_j = a_j * sum_k w_jk R_k / (z_k + eps * sign(z_k))``.
+
+    ``epsilon=0`` gives LRP-0. Applies to every linear op, parametric or not
+    (sums and average pooling are then shared in proportion to the inputs).
+    It reuses the gradient graph of the forward pass: no layer is re-run.
+
+    Parameters
+    ----------
+    epsilon : float
+        Stabiliser added to the denominator with the sign of ``z``.
+    zero_bias : bool
+        Leave the bias out of the denominator, so that it absorbs no relevance.
+    """
+
+    kinds = LINEAR_KINDS
+    needs_vjp = True
+    needs_output = True
+
+    def __init__(self, epsilon: float = 1e-6, zero_bias: bool = False):
+        self.epsilon = epsilon
+        self.zero_bias = zero_bias
+
+    def accepts(self, call) -> bool:
+        return super().accepts(call) and (not self.zero_bias or call.kind in PARAMETRIC_KINDS)
+
+    def propagate(self, call, relevance):
+        z = call.output
+        if self.zero_bias and call.bias is not None:
+            z = z - call.bias_term()
+        scaled = relevance / denominator(z, self.epsilon)
+        return tuple(None if c is None else x * c for x, c in zip(call.inputs, call.vjp(scaled)))
+
+
+class Norm(Epsilon):
+    """zennit's name for the epsilon rule on parameter-free ops (sum and average pooling).
+
+    Identical to :class:`Epsilon` with ``epsilon=stabilizer``.
+    """
+
+    def __init__(self, stabilizer: float = 1e-6):
+        super().__init__(epsilon=stabilizer)
+
+
+def _identity(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def _positive(tensor: Tensor) -> Tensor:
+    return tensor.clamp(min=0)
+
+
+def _negative(tensor: Tensor) -> Tensor:
+    return tensor.clamp(max=0)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One product ``input(x) * param(W)`` of a :class:`BasicRule`.
+
+    Parameters
+    ----------
+    input : callable
+        Input modifier, ``x -> x'``.
+    param : callable
+        Parameter modifier, applied to the weight and to the bias.
+    bias : bool
+        Whether this term carries the (modified) bias.
+    """
+
+    input: Callable[[Tensor], Tensor] = _identity
+    param: Callable[[Tensor], Tensor] = _identity
+    bias: bool = True
+
+
+class BasicRule(Rule):
+    """A rule for parametric linear ops built from its parts.
+
+    For each :class:`Term` ``t`` the op is evaluated as ``z_t = f(input_t(x);
+    param_t(W), param_t(b))``. ``gradient_mapper(R, outputs, z)`` turns the
+    output relevance into one tensor ``s_t`` per term (typically ``R``
+    divided by a stabilised sum of outputs); ``reducer(inputs, grads)``
+    combines the modified inputs with the VJPs ``c_t = VJP_t(s_t)``
+    (default: ``sum_t input_t * c_t``).
+
+    Parameters
+    ----------
+    terms : sequence of Term
+    gradient_mapper : callable ``(relevance, outputs, z) -> list[Tensor]``
+    reducer : callable ``(inputs, grads) -> Tensor``, optional
+    zero_bias : bool
+        Drop the bias from every term.
+    """
+
+    kinds = PARAMETRIC_KINDS
+
+    def __init__(
+        self,
+        terms: Sequence[Term],
+        gradient_mapper: Callable[[Tensor, list[Tensor], Tensor], list[Tensor]],
+        reducer: Callable[[list[Tensor], list[Tensor]], Tensor] | None = None,
+        zero_bias: bool = False,
+    ):
+        self._terms = tuple(terms)
+        self._gradient_mapper = gradient_mapper
+        self._reducer = reducer or _weighted_sum
+        self.zero_bias = zero_bias
+
+    def propagate(self, call, relevance):
+        (x,) = call.inputs
+        inputs, outputs = [], []
+        with torch.enable_grad():
+            for term in self._terms:
+                modified = term.input(x).detach().requires_grad_()
+                weight = term.param(call.weight)
+                keep_bias = term.bias and not self.zero_bias and call.bias is not None
+                bias = term.param(call.bias) if keep_bias else None
+                inputs.append(modified)
+                outputs.append(call.evaluate(modified, weight, bias))
+        grads = torch.autograd.grad(outputs, inputs, self._gradient_mapper(relevance, outputs, call.output))
+        return (self._reducer(inputs, list(grads)),)
+
+
+def _weighted_sum(inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
+    return sum(x * c for x, c in zip(inputs, grads))
+
+
+def _split(relevance: Tensor, outputs: list[Tensor], epsilon: float, groups: Sequence[int]) -> list[Tensor]:
+    """Divide the relevance by the stabilised sum of each group of consecutive outputs."""
+    grads, start = [], 0
+    for size in groups:
+        scaled = relevance / denominator(sum(outputs[start:start + size]), epsilon)
+        grads.extend([scaled] * size)
+        start += size
+    return grads
+
+
+class ZPlus(BasicRule):
+    """LRP-z+: only positive contributions (``x+ w+`` and ``x- w-``, bias ``b+``).
+
+    Equals :class:`AlphaBeta` with ``alpha=1, beta=0``.
+    """
+
+    def __init__(self, stabilizer: float = 1e-6, zero_bias: bool = False):
+        self.stabilizer = stabilizer
+        super().__init__(
+            [Term(_positive, _positive), Term(_negative, _negative, bias=False)],
+            lambda r, outs, z: _split(r, outs, stabilizer, [2]),
+            zero_bias=zero_bias,
+        )
+
+
+class AlphaBeta(BasicRule):
+    """LRP-alpha-beta: ``alpha`` times the positive share minus ``beta`` times the negative share.
+
+    Positive part: ``x+ w+`` and ``x- w-`` with ``b+``; negative part: ``x+ w-``
+    and ``x- w+`` with ``b-``. Requires ``alpha - beta = 1``.
+    """
+
+    def __init__(self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_bias: bool = False):
+        if alpha < 0 or beta < 0 or not math.isclose(alpha - beta, 1.0):
+            raise ValueError(f"AlphaBeta needs alpha, beta >= 0 and alpha - beta = 1, got alpha={alpha}, beta={beta}")
+        self.alpha, self.beta, self.stabilizer = alpha, beta, stabilizer
+
+        def reduce(inputs, grads):
+            positive = inputs[0] * grads[0] + inputs[1] * grads[1]
+            negative = inputs[2] * grads[2] + inputs[3] * grads[3]
+            return alpha * positive - beta * negative
+
+        super().__init__(
+            [
+                Term(_positive, _positive), Term(_negative, _negative, bias=False),
+                Term(_positive, _negative), Term(_negative, _positive, bias=False),
+            ],
+            lambda r, outs, z: _split(r, outs, stabilizer, [2, 2]),
+            reduce,
+            zero_bias=zero_bias,
+        )
+
+
+class Gamma(BasicRule):
+    """LRP-gamma in its generalised form for signed inputs.
+
+    Where ``z > 0`` the relevance is shared by ``x+ (w + gamma w+)`` and
+    ``x- (w + gamma w-)`` (bias ``b + gamma b+``); where ``z < 0`` by ``x+ (w +
+    gamma w-)`` and ``x- (w + gamma w+)`` (bias ``b + gamma b-``). On
+    non-negative inputs this is the original gamma rule.
+    """
+
+    needs_output = True
+
+    def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_bias: bool = False):
+        self.gamma, self.stabilizer = gamma, stabilizer
+
+        def up(t: Tensor) -> Tensor:
+            return t + gamma * t.clamp(min=0)
+
+        def down(t: Tensor) -> Tensor:
+            return t + gamma * t.clamp(max=0)
+
+        def mapper(relevance, outputs, z):
+            positive = relevance * (z > 0) / denominator(outputs[0] + outputs[1], stabilizer)
+            negative = relevance * (z < 0) / denominator(outputs[2] + outputs[3], stabilizer)
+            return [positive, positive, negative, negative]
+
+        super().__init__(
+            [
+                Term(_positive, up), Term(_negative, down, bias=False),
+                Term(_positive, down), Term(_negative, up, bias=False),
+            ],
+            mapper,
+            zero_bias=zero_bias,
+        )
+
+
+class ZBox(BasicRule):
+    """LRP-z^B for a first layer on bounded input (pixels).
+
+    Numerator ``x w - l w+ - h w-``, no bias. ``low`` and ``high`` are the
+    smallest and largest possible input values, as scalars or tensors that
+    broadcast against the layer's input (e.g. ``(1, 3, 1, 1)`` per channel).
+    The bound images are padded exactly like the input.
+    """
+
+    def __init__(self, low: float | Tensor, high: float | Tensor, stabilizer: float = 1e-6):
+        self.low, self.high, self.stabilizer = low, high, stabilizer
+
+        def bound(value):
+            def fill(x: Tensor) -> Tensor:
+                return torch.as_tensor(value, dtype=x.dtype, device=x.device).expand_as(x)
+            return fill
+
+        def mapper(relevance, outputs, z):
+            return [relevance / denominator(outputs[0] - outputs[1] - outputs[2], stabilizer)] * 3
+
+        def reduce(inputs, grads):
+            return inputs[0] * grads[0] - inputs[1] * grads[1] - inputs[2] * grads[2]
+
+        super().__init__(
+            [Term(_identity, _identity), Term(bound(low), _positive), Term(bound(high), _negative)],
+            mapper,
+            reduce,
+        )
+
+
+def _ones(tensor: Tensor) -> Tensor:
+    return torch.ones_like(tensor)
+
+
+def _square(tensor: Tensor) -> Tensor:
+    return tensor * tensor
+
+
+def _gradient_only(inputs, grads):
+    return grads[0]
+
+
+class WSquare(BasicRule):
+    """LRP-w^2: ``R_i = sum_j w_ij^2 / sum_i' w_i'j^2 R_j``, independent of the input."""
+
+    def __init__(self, stabilizer: float = 1e-6, zero_bias: bool = False):
+        self.stabilizer = stabilizer
+        super().__init__(
+            [Term(_ones, _square)],
+            lambda r, outs, z: _split(r, outs, stabilizer, [1]),
+            _gradient_only,
+            zero_bias=zero_bias,
+        )
+
+
+class Flat(BasicRule):
+    """LRP-flat: every weight 1, no bias: relevance spread uniformly over the receptive field."""
+
+    def __init__(self, stabilizer: float = 1e-6):
+        self.stabilizer = stabilizer
+        super().__init__(
+            [Term(_ones, _ones)],
+            lambda r, outs, z: _split(r, outs, stabilizer, [1]),
+            _gradient_only,
+            zero_bias=True,
+        )
+
+
+class Pass(Rule):
+    """Pass the output relevance unchanged to the op's single activation input.
+
+    Applies to any op with one activation input whose shape the output can be
+    summed back to (elementwise ops, scaling by constants); it cannot apply
+    to a shape-changing op such as a convolution with other channels.
+    """
+
+    kinds = frozenset({"conv", "dense", "batchnorm", "sum", "norm", "elementwise", "product", "maxpool"})
+
+    def accepts(self, call) -> bool:
+        if call.kind not in self.kinds or len(call.inputs) != 1:
+            return False
+        return _broadcasts_to(call.inputs[0].shape, call.output.shape)
+
+    def propagate(self, call, relevance):
+        return (_sum_to(relevance, call.inputs[0].shape),)
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+
+
+class UniformProduct(Rule):
+    """Products of activations (``a * b``, ``a @ b``): each of the k factors gets 1/k.
+
+    ``R_i = (1/k) * x_i * VJP_i(R / (z + eps sign z))`` (the AttnLRP rule for
+    multiplicative interactions).
+    """
+
+    kinds = frozenset({"product"})
+    needs_vjp = True
+    needs_output = True
+
+    def __init__(self, epsilon: float = 1e-6):
+        self.epsilon = epsilon
+
+    def propagate(self, call, relevance):
+        share = 1.0 / len(call.inputs)
+        scaled = relevance / denominator(call.output, self.epsilon)
+        return tuple(None if c is None else share * x * c for x, c in zip(call.inputs, call.vjp(scaled)))
+
+
+class SignalTakesAll(Rule):
+    """Gated products ``gate * signal``: the signal gets all relevance, the gate none.
+
+    The gate is the factor produced by a sigmoid-type activation (Arras et al.
+    2017 for LSTMs; squeeze-and-excitation blocks in CNNs).
+    """
+
+    kinds = frozenset({"product"})
+
+    def accepts(self, call) -> bool:
+        gates = getattr(call, "gates", ())
+        return call.kind in self.kinds and len(call.inputs) == 2 and sum(gates) == 1
+
+    def propagate(self, call, relevance):
+        return tuple(None if gate else _sum_to(relevance, x.shape) for x, gate in zip(call.inputs, call.gates))
+
+
+class Proportional(Rule):
+    """Max pooling propagated like the average pooling over the same windows.
+
+    Each window's relevance is shared in proportion to its inputs instead of
+    going to the winner alone (winner-take-all is the default).
+    """
+
+    kinds = frozenset({"maxpool"})
+    needs_output = False
+
+    def __init__(self, epsilon: float = 1e-6):
+        self.epsilon = epsilon
+
+    def propagate(self, call, relevance):
+        (x,) = call.inputs
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_()
+            z = call.average(leaf)
+        (c,) = torch.autograd.grad(z, leaf, relevance / denominator(z, self.epsilon))
+        return (x * c,)
