@@ -90,30 +90,24 @@ class Composite:
         rule = getattr(module, "rule", None)
         return rule if isinstance(rule, Rule) else None
 
-    def rule_for(self, call, module: nn.Module | None, name: str) -> Rule | None:
-        """The rule for ``call``, issued by ``module`` at path ``name`` (None: winner-take-all)."""
-        from .engine import RuleError
+    def rule_for(self, call, module: nn.Module | None, name: str) -> tuple[Rule | None, str]:
+        """The rule for ``call``, issued by ``module`` at path ``name``, and where it came from.
 
-        def check(rule: Rule, source: str) -> Rule:
-            if not rule.accepts(call):
-                shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
-                out = tuple(call.output.shape) if isinstance(call.output, Tensor) else "?"
-                raise RuleError(f"relprop: rule {rule!r} ({source}) cannot apply to {call.describe()} "
-                                f"(op kind '{call.kind}', input shapes {shapes}, output shape {out})")
-            return rule
-
+        None means winner-take-all (the plain gradient). The engine checks
+        with ``rule.accepts`` that the rule can apply once the op has run.
+        """
         own = self.own_rule(module)
         if own is not None:
-            return check(own, f"set as .rule on module '{name or '<root>'}'")
+            return own, f"set as .rule on module '{name or '<root>'}'"
         for pattern, rule in self.name_map:
             if call.kind in rule.kinds and fnmatchcase(name, pattern):
-                return check(rule, f"name_map pattern {pattern!r}")
+                return rule, f"name_map pattern {pattern!r}"
         if getattr(call, "is_first", False) and call.kind in self.first:
-            return check(self.first[call.kind], "first layer")
+            return self.first[call.kind], "first layer"
         for types, rule in self.layer_map:
             if call.kind in rule.kinds and isinstance(module, types):
-                return check(rule, f"layer_map entry {types}")
-        return self.default(call)
+                return rule, f"layer_map entry for {types}"
+        return self.default(call), "default"
 
     def default(self, call) -> Rule | None:
         """The rule an op gets when nothing is mapped to it."""
@@ -207,7 +201,7 @@ PRESETS: dict[str, type[Composite]] = {
 def get(composite: Composite | str | None, **kwargs) -> Composite:
     """A composite from an instance, a preset name (``"epsilon-plus"``; ``_`` works too) or None (epsilon)."""
     if composite is None:
-        return Composite(**kwargs)
+        return Epsilon(**kwargs)
     if isinstance(composite, Composite):
         return composite
     if isinstance(composite, str):

@@ -115,7 +115,7 @@ class Session(TorchFunctionMode):
         training = [module for module in self._names if module.training]
         if training:
             warnings.warn("relprop: the model is in training mode; it is explained in eval mode "
-                          "(dropout off, BatchNorm running statistics) and put back afterwards", stacklevel=3)
+                          "(dropout off, BatchNorm running statistics) and put back afterwards", stacklevel=2)
         handles = []
         previous = getattr(_current, "session", None)
         try:
@@ -162,11 +162,16 @@ class Session(TorchFunctionMode):
 
     def run(self, call: OpCall, rule=None) -> Any:
         """Run ``call`` as a relevance node with its rule (``rule`` or the composite's choice)."""
+        source = "inherited from the merged layer"
         if rule is None:
-            rule = self.composite.rule_for(call, self.module, self.module_name)
+            rule, source = self.composite.rule_for(call, self.module, self.module_name)
         if rule is None:  # winner-take-all: the gradient is the rule
             return call._call(call.func, call.activations)
         out = propagate(call, rule)
+        if not rule.accepts(call):
+            shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
+            raise RuleError(f"relprop: rule {rule!r} ({source}) cannot apply to {call.describe()} (op kind "
+                            f"'{call.kind}', input shapes {shapes}, output shape {tuple(call.output.shape)})")
         self.producers[out] = call
         return out
 

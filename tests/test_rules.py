@@ -1,0 +1,153 @@
+"""Every linear rule against an explicit matrix-form reference (DESIGN.md section 2), float64.
+
+A layer is written as z_k = sum_j a_j w_jk + b_k with W read off its Jacobian
+and b off its output at zero input; the reference formulas below use only
+that matrix, never the engine.
+"""
+import pytest
+import torch
+from torch import nn
+
+import relprop
+from relprop import rules
+
+
+def stabilize(z, eps):
+    return z + eps * torch.where(z >= 0, 1.0, -1.0).to(z)
+
+
+def matrix_form(layer, in_shape):
+    """W (n_in x n_out) and b (n_out) of ``layer`` on inputs of shape ``in_shape``."""
+    zero = torch.zeros(1, *in_shape, dtype=torch.float64)
+    bias = layer(zero).detach().flatten()
+
+    def linear_part(flat):
+        return (layer(flat.reshape(1, *in_shape)).flatten() - bias)
+
+    jacobian = torch.autograd.functional.jacobian(linear_part, zero.flatten())  # n_out x n_in
+    return jacobian.T, bias
+
+
+def reference(rule, a, W, b, R, low=None, high=None):
+    """Relevance of the inputs ``a`` (flat) for output relevance ``R`` (flat), from the formulas."""
+    Wp, Wn, ap, an = W.clamp(min=0), W.clamp(max=0), a.clamp(min=0), a.clamp(max=0)
+    if isinstance(rule, rules.Epsilon):
+        z = a @ W + (0 if rule.zero_bias else b)
+        return a * (W @ (R / stabilize(z, rule.epsilon)))
+    if isinstance(rule, rules.ZPlus):
+        s = R / stabilize(ap @ Wp + an @ Wn + b.clamp(min=0), rule.stabilizer)
+        return ap * (Wp @ s) + an * (Wn @ s)
+    if isinstance(rule, rules.AlphaBeta):
+        sp = R / stabilize(ap @ Wp + an @ Wn + b.clamp(min=0), rule.stabilizer)
+        sn = R / stabilize(ap @ Wn + an @ Wp + b.clamp(max=0), rule.stabilizer)
+        return rule.alpha * (ap * (Wp @ sp) + an * (Wn @ sp)) - rule.beta * (ap * (Wn @ sn) + an * (Wp @ sn))
+    if isinstance(rule, rules.Gamma):
+        g = rule.gamma
+        up, down = W + g * Wp, W + g * Wn
+        z = a @ W + b
+        sp = R * (z > 0) / stabilize(ap @ up + an @ down + b + g * b.clamp(min=0), rule.stabilizer)
+        sn = R * (z < 0) / stabilize(ap @ down + an @ up + b + g * b.clamp(max=0), rule.stabilizer)
+        return ap * (up @ sp) + an * (down @ sp) + ap * (down @ sn) + an * (up @ sn)
+    if isinstance(rule, rules.ZBox):
+        s = R / stabilize(a @ W - low @ Wp - high @ Wn, rule.stabilizer)
+        return a * (W @ s) - low * (Wp @ s) - high * (Wn @ s)
+    if isinstance(rule, rules.Flat):
+        ones = (W != 0).to(W)
+        return ones @ (R / stabilize(ones.sum(0), rule.stabilizer))
+    if isinstance(rule, rules.WSquare):
+        squares = W * W
+        return squares @ (R / stabilize(squares.sum(0) + b * b, rule.stabilizer))
+    raise AssertionError(rule)
+
+
+LAYERS = {
+    "linear": (lambda bias: nn.Linear(6, 4, bias=bias), (6,)),
+    "conv1d": (lambda bias: nn.Conv1d(2, 3, 3, padding=1, bias=bias), (2, 7)),
+    "conv2d": (lambda bias: nn.Conv2d(2, 3, 3, stride=2, padding=1, bias=bias), (2, 6, 5)),
+    "conv3d": (lambda bias: nn.Conv3d(2, 2, 2, padding=1, bias=bias), (2, 3, 3, 2)),
+    "conv_transpose2d": (lambda bias: nn.ConvTranspose2d(2, 3, 3, stride=2, bias=bias), (2, 3, 3)),
+}
+
+RULES = {
+    "lrp0": rules.Epsilon(0.0),
+    "epsilon": rules.Epsilon(0.25),
+    "epsilon-zero-bias": rules.Epsilon(0.25, zero_bias=True),
+    "zplus": rules.ZPlus(stabilizer=1e-3),
+    "alpha2beta1": rules.AlphaBeta(2.0, 1.0, stabilizer=1e-3),
+    "alpha1beta0": rules.AlphaBeta(1.0, 0.0),
+    "gamma": rules.Gamma(0.5, stabilizer=1e-3),
+    "flat": rules.Flat(),
+    "wsquare": rules.WSquare(),
+}
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("layer_name", LAYERS)
+@pytest.mark.parametrize("rule_name", RULES)
+def test_rule_matches_matrix_form(layer_name, rule_name, bias):
+    make, in_shape = LAYERS[layer_name]
+    layer = make(bias).double().eval()
+    if bias:
+        with torch.no_grad():
+            layer.bias.uniform_(-0.5, 0.5)
+    rule = RULES[rule_name]
+    x = torch.randn(2, *in_shape, dtype=torch.float64)
+    out = layer(x)
+    R = torch.randn_like(out)
+    attributed = relprop.LRP(layer, relprop.Composite(conv=rule, dense=rule)).attribute(x, target=R)
+    W, b = matrix_form(layer, in_shape)
+    for example in range(2):
+        expected = reference(rule, x[example].flatten(), W, b, R[example].flatten())
+        torch.testing.assert_close(attributed[example].flatten(), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("layer_name", ["linear", "conv2d", "conv3d"])
+def test_zbox_matches_matrix_form_with_per_channel_bounds(layer_name):
+    make, in_shape = LAYERS[layer_name]
+    layer = make(True).double().eval()
+    channels = in_shape[0]
+    bound_shape = (1, channels) + (1,) * (len(in_shape) - 1)
+    low = -torch.linspace(1.0, 2.0, channels, dtype=torch.float64).reshape(bound_shape)
+    high = torch.linspace(1.5, 3.0, channels, dtype=torch.float64).reshape(bound_shape)
+    if layer_name == "linear":
+        low, high = low.reshape(1, -1).expand(1, 6), high.reshape(1, -1).expand(1, 6)
+    x = torch.max(torch.min(torch.randn(2, *in_shape, dtype=torch.float64), high), low)
+    rule = rules.ZBox(low, high, stabilizer=1e-3)
+    R = torch.randn_like(layer(x))
+    attributed = relprop.LRP(layer, relprop.Composite(conv=rule, dense=rule)).attribute(x, target=R)
+    W, b = matrix_form(layer, in_shape)
+    low_flat, high_flat = low.expand_as(x[:1]).flatten(), high.expand_as(x[:1]).flatten()
+    for example in range(2):
+        expected = reference(rule, x[example].flatten(), W, b, R[example].flatten(), low_flat, high_flat)
+        torch.testing.assert_close(attributed[example].flatten(), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_denominator_sign_of_zero_is_positive_and_never_nan():
+    z = torch.tensor([-2.0, 0.0, 3.0], dtype=torch.float64)
+    assert rules.denominator(z, 0.5).tolist() == [-2.5, 0.5, 3.5]
+    assert (1.0 / rules.denominator(z, 0.0)).tolist() == [-0.5, 0.0, 1 / 3]
+
+
+@pytest.mark.parametrize("rule", [rules.Epsilon(0.0), rules.Epsilon(), rules.ZPlus(), rules.AlphaBeta(), rules.Gamma(),
+                                  rules.Flat(), rules.WSquare()], ids=repr)
+def test_no_nan_for_zero_input_and_dead_layer(rule):
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(12, 2)).double().eval()
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)  # dead layer: every ReLU output is zero
+    composite = relprop.Composite(epsilon=0.0, conv=rule, dense=rule)
+    for x in (torch.zeros(1, 2, 4, 4, dtype=torch.float64), torch.randn(1, 2, 4, 4, dtype=torch.float64)):
+        relevance = relprop.LRP(model, composite).attribute(x, target=0)
+        assert torch.isfinite(relevance).all()
+
+
+def test_pass_hands_relevance_through_a_shape_preserving_layer():
+    conv = nn.Conv2d(2, 2, 3, padding=1).double().eval()
+    x = torch.randn(1, 2, 5, 5, dtype=torch.float64)
+    R = torch.randn(1, 2, 5, 5, dtype=torch.float64)
+    relevance = relprop.LRP(conv, relprop.Composite(conv=rules.Pass())).attribute(x, target=R)
+    assert torch.equal(relevance, R)
+
+
+def test_alpha_beta_checks_its_parameters():
+    with pytest.raises(ValueError, match="alpha - beta = 1"):
+        rules.AlphaBeta(2.0, 2.0)
