@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from . import composites
 from .engine import Session
 
-__all__ = ["LRP", "output_relevance", "model_logits"]
+__all__ = ["LRP", "output_relevance", "target_mask", "model_logits"]
 
 Target = int | tuple | Sequence | Tensor | None
 
@@ -58,45 +58,53 @@ def _check_index(index: tuple, shape: torch.Size, target: Any) -> tuple[int, ...
     return tuple(checked)
 
 
+def target_mask(output: Tensor, target: Target) -> Tensor:
+    """A boolean mask of the output entries that ``target`` selects (captum's semantics).
+
+    ``target`` is None (one output per example), an int (the class along
+    dimension 1), a tuple indexing the dimensions after the batch dimension
+    (``(-1, token)``), or a list / 1-D integer tensor with one such target per
+    example.
+    """
+    batch = output.shape[0] if output.dim() else 1
+    mask = torch.zeros_like(output, dtype=torch.bool)
+    if target is None:
+        if output.numel() != batch:
+            raise ValueError(f"relprop: the model output has shape {tuple(output.shape)}, more than one value per "
+                             "example; pass target= to choose which one to explain")
+        mask.fill_(True)
+    elif _is_index(target) or isinstance(target, tuple):
+        index = _check_index(target if isinstance(target, tuple) else (target,), output.shape, target)
+        mask[(slice(None), *index)] = True
+    elif isinstance(target, (list, Tensor)):
+        if isinstance(target, Tensor) and target.dim() != 1:
+            raise ValueError(f"relprop: a target tensor must be 1-D (one class per example), got shape "
+                             f"{tuple(target.shape)}")
+        targets = target.tolist() if isinstance(target, Tensor) else list(target)
+        if len(targets) != batch:
+            raise ValueError(f"relprop: {len(targets)} targets given for a batch of {batch} examples")
+        for example, item in enumerate(targets):
+            index = _check_index(item if isinstance(item, tuple) else (item,), output.shape, item)
+            mask[(example, *index)] = True
+    else:
+        raise TypeError(f"relprop: target must be None, an int, a tuple, a list or a tensor, "
+                        f"got {type(target).__name__}")
+    return mask
+
+
 def output_relevance(output: Tensor, target: Target) -> Tensor:
     """The relevance seeded at the output: ``output`` where ``target`` selects, 0 elsewhere.
 
-    ``target`` follows captum: None (one output per example), an int (the
-    class along dimension 1), a tuple indexing the dimensions after the batch
-    dimension (``(-1, token)``), or a list / 1-D integer tensor with one such
-    target per example. A floating-point tensor of the output's shape is
-    taken as the output relevance itself.
+    See :func:`target_mask` for ``target``. A floating-point tensor of the
+    output's shape is taken as the output relevance itself.
     """
-    batch = output.shape[0] if output.dim() else 1
     if isinstance(target, Tensor) and target.is_floating_point():
         if target.shape != output.shape:
             raise ValueError(f"relprop: output relevance of shape {tuple(target.shape)} does not match the model "
                              f"output of shape {tuple(output.shape)}")
         return target.to(output.dtype).detach()
     value = output.detach()
-    mask = torch.zeros_like(value, dtype=torch.bool)
-    if target is None:
-        if value.numel() != batch:
-            raise ValueError(f"relprop: the model output has shape {tuple(value.shape)}, more than one value per "
-                             "example; pass target= to choose which one to explain")
-        mask.fill_(True)
-    elif _is_index(target) or isinstance(target, tuple):
-        index = _check_index(target if isinstance(target, tuple) else (target,), value.shape, target)
-        mask[(slice(None), *index)] = True
-    elif isinstance(target, (list, Tensor)):
-        targets = target.tolist() if isinstance(target, Tensor) else list(target)
-        if isinstance(target, Tensor) and target.dim() != 1:
-            raise ValueError(f"relprop: a target tensor must be 1-D (one class per example), got shape "
-                             f"{tuple(target.shape)}")
-        if len(targets) != batch:
-            raise ValueError(f"relprop: {len(targets)} targets given for a batch of {batch} examples")
-        for example, item in enumerate(targets):
-            index = _check_index(item if isinstance(item, tuple) else (item,), value.shape, item)
-            mask[(example, *index)] = True
-    else:
-        raise TypeError(f"relprop: target must be None, an int, a tuple, a list or a tensor, "
-                        f"got {type(target).__name__}")
-    return torch.where(mask, value, torch.zeros((), dtype=value.dtype, device=value.device))
+    return torch.where(target_mask(value, target), value, torch.zeros((), dtype=value.dtype, device=value.device))
 
 
 def _as_tuple(value: Any) -> tuple:

@@ -1,0 +1,71 @@
+"""The ``relprop`` command, end to end in a subprocess."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+TESTS = Path(__file__).parent
+COMMAND = Path(sys.executable).parent / "relprop"
+
+
+def relprop(*args, cwd):
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    return subprocess.run([str(COMMAND), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=300)
+
+
+@pytest.fixture
+def digits(tmp_path):
+    paths = []
+    for i in range(2):
+        pixels = np.zeros((28, 28), dtype=np.uint8)
+        pixels[5:23, 12 + i:16 + i] = 255  # a vertical stroke, like a 1
+        path = tmp_path / f"digit{i}.png"
+        Image.fromarray(pixels).save(path)
+        paths.append(path)
+    return paths
+
+
+def test_explain_writes_heatmaps(tmp_path, digits):
+    result = relprop("explain", *digits, "--model", "cli_factory:small_cnn", "--size", 28, "--channels", 1,
+                     "--normalize", "none", "--preset", "epsilon-gamma-box", "--out", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "digit0.png: class" in result.stdout
+    for name in ("digit0_relevance.png", "digit0_overlay.png", "digit1_relevance.png"):
+        assert Image.open(tmp_path / "out" / name).size == (28, 28)
+    summary = json.loads((tmp_path / "out" / "explain.json").read_text())
+    assert [entry["image"] for entry in summary] == [str(p) for p in digits]
+
+
+def test_evaluate_prints_aopc(tmp_path, digits):
+    result = relprop("evaluate", *digits, "--model", "cli_factory:small_cnn", "--size", 28, "--channels", 1,
+                     "--normalize", "none", "--steps", 4, "--region", 7, "--out", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    scores = json.loads((tmp_path / "out" / "aopc.json").read_text())
+    assert set(scores) == {"epsilon-plus-flat", "gradient", "integrated-gradients", "random"}
+    assert "AOPC" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["explain", "missing.png", "--model", "cli_factory:small_cnn"], "no such image: missing.png"),
+    (["explain", "x.png", "--model", "no_such_net"], "unknown model 'no_such_net'"),
+    (["explain", "x.png", "--model", "resnet18"], "needs --weights"),
+    (["explain", "x.png", "--model", "cli_factory:nothing"], "cannot load 'cli_factory:nothing'"),
+])
+def test_clear_errors(tmp_path, args, message):
+    result = relprop(*args, cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_demo_runs(tmp_path):
+    pytest.importorskip("mlxtend")
+    result = relprop("demo", "--out", tmp_path / "demo", "--examples", 2, "--evaluated", 20, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "AOPC" in result.stdout and "test accuracy" in result.stdout
+    assert Image.open(tmp_path / "demo" / "heatmaps.png").size[0] > 500
+    assert set(json.loads((tmp_path / "demo" / "aopc.json").read_text())["aopc"]) >= {"random", "Gradient"}
