@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from . import composites
 from .engine import Session
 
-__all__ = ["LRP", "output_relevance", "target_mask", "model_logits"]
+__all__ = ["LRP", "output_relevance", "target_mask", "model_logits", "convergence_delta"]
 
 Target = int | tuple | Sequence | Tensor | None
 
@@ -155,9 +155,35 @@ class LRP:
         ...     out = model(x)
         >>> (relevance,) = torch.autograd.grad(out, x, grad_outputs=my_relevance)
         """
-        session = Session(self.model, self.composite, self.strict)
+        with self._session() as session:
+            yield session
+
+    @contextmanager
+    def _session(self, taps=None, audit=None) -> Iterator[Session]:
+        session = Session(self.model, self.composite, self.strict, taps=taps, audit=audit)
         with torch.enable_grad(), session.active():
             yield session
+
+    def forward(self, inputs: Tensor | Sequence[Tensor], additional_forward_args: Any = None, taps=None,
+                audit=None) -> tuple[tuple[Tensor, ...], Tensor]:
+        """Run the model once under the engine: the input leaves (in the order given) and the logits.
+
+        Floating-point inputs are new leaves that require grad; the relevance
+        of input ``i`` is the gradient of the logits with respect to ``leaves[i]``.
+        ``taps`` and ``audit`` are handed to :class:`~relprop.engine.Session`.
+        """
+        inputs = _as_tuple(inputs)
+        if not inputs or not all(isinstance(x, Tensor) for x in inputs):
+            raise TypeError("relprop: inputs must be a tensor or a tuple of tensors")
+        if len({x.shape[0] if x.dim() else None for x in inputs}) > 1:
+            raise ValueError("relprop: inputs disagree on the batch size: "
+                             + ", ".join(str(tuple(x.shape)) for x in inputs))
+        extra = tuple(a.detach() if isinstance(a, Tensor) else a for a in _as_tuple(additional_forward_args))
+        leaves = tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs)
+        with self._session(taps, audit):
+            # the model sees copies, so that in-place ops on its inputs are allowed
+            output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra)
+        return leaves, model_logits(output)
 
     def attribute(self, inputs: Tensor | Sequence[Tensor], target: Target = None,
                   additional_forward_args: Any = None, return_convergence_delta: bool = False):
@@ -168,7 +194,7 @@ class LRP:
         inputs : Tensor or tuple of Tensors
             Model inputs, batch first. Each floating-point input gets relevance.
         target : int, tuple, list, Tensor or None
-            What to explain (captum's semantics, see :func:`output_relevance`).
+            What to explain (captum's semantics, see :func:`target_mask`).
             The output relevance is the selected output value, so relevance
             sums to about ``f_t(x)``.
         additional_forward_args : any or tuple, optional
@@ -180,31 +206,24 @@ class LRP:
         -------
         Tensor, or tuple of Tensors for tuple inputs; and the delta if asked.
         """
-        single = isinstance(inputs, Tensor)
-        inputs = _as_tuple(inputs)
-        if not inputs or not all(isinstance(x, Tensor) for x in inputs):
-            raise TypeError("relprop: inputs must be a tensor or a tuple of tensors")
-        if len({x.shape[0] if x.dim() else None for x in inputs}) > 1:
-            raise ValueError("relprop: inputs disagree on the batch size: "
-                             + ", ".join(str(tuple(x.shape)) for x in inputs))
-        extra = tuple(a.detach() if isinstance(a, Tensor) else a for a in _as_tuple(additional_forward_args))
         with torch.inference_mode(False):
-            leaves = tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs)
-            with self.context():
-                # the model sees copies, so that in-place ops on its inputs are allowed
-                output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra)
-            logits = model_logits(output)
+            leaves, logits = self.forward(inputs, additional_forward_args)
             seed = output_relevance(logits, target)
             explained = [x for x in leaves if x.requires_grad]
             grads = torch.autograd.grad(logits, explained, seed, allow_unused=True) if explained else ()
         found = iter(grads)
         relevance = tuple(_relevance_of(x, next(found)) if x.requires_grad else torch.zeros_like(x, dtype=seed.dtype)
                           for x in leaves)
-        result = relevance[0] if single else relevance
+        result = relevance[0] if isinstance(inputs, Tensor) else relevance
         if not return_convergence_delta:
             return result
-        total = sum(r.reshape(r.shape[0], -1).sum(1) for r in relevance)
-        return result, seed.reshape(seed.shape[0], -1).sum(1) - total
+        return result, convergence_delta(seed, relevance)
+
+
+def convergence_delta(seed: Tensor, relevance: Sequence[Tensor]) -> Tensor:
+    """``seed total - relevance total`` per example."""
+    total = sum(r.reshape(r.shape[0], -1).sum(1) for r in relevance)
+    return seed.reshape(seed.shape[0], -1).sum(1) - total
 
 
 def _relevance_of(leaf: Tensor, grad: Tensor | None) -> Tensor:

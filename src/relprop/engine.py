@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .graph import OpCall, is_relevance_node, propagate, watch
+from . import rules
+from .graph import OpCall, is_relevance_node, propagate, tap, watch
 from .ops import HANDLERS, has_activation, op_name
 
 __all__ = ["Session", "RuleError", "UnsupportedOpError", "UnhandledOpWarning"]
@@ -59,6 +60,20 @@ def _detach_parameters(values: tuple) -> tuple:
     return tuple(out)
 
 
+class _Unhandled(rules.Gradient):
+    """The plain gradient for an op without a rule, reported when relevance reaches it."""
+
+    def __init__(self, session: "Session"):
+        self._session = session
+
+    def propagate(self, call, relevance):
+        self._session.report(call.describe(), relevance)
+        return super().propagate(call, relevance)
+
+    def __repr__(self) -> str:
+        return "none"
+
+
 class Session(TorchFunctionMode):
     """One attribution forward pass of ``model`` with rules from ``composite``.
 
@@ -71,18 +86,29 @@ class Session(TorchFunctionMode):
     strict : bool
         Raise :class:`UnsupportedOpError` when relevance reaches an op without
         a rule, instead of warning.
+    taps : mapping of module to tapper, optional
+        For each module, a callable ``tapper(session, value) -> value`` applied
+        to the module's inputs (if ``tapper.input``) or output, typically
+        putting :meth:`tap` nodes on them (see :mod:`relprop.layer`).
+    audit : callable, optional
+        Called as ``audit(call, relevance, input_relevances)`` after every
+        propagation (see :mod:`relprop.audit`).
     """
 
-    def __init__(self, model: nn.Module, composite, strict: bool = False):
+    def __init__(self, model: nn.Module, composite, strict: bool = False, taps=None, audit=None):
         super().__init__()
         self.composite = composite
         self.strict = strict
+        self.audit = audit
+        self._taps = dict(taps or {})
         self._names = {module: name for name, module in model.named_modules()}
         self._stack: list[nn.Module] = []
         #: output tensor -> the op call that produced it
         self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: tensors produced by sigmoid-type activations
         self.gates: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: tap output -> its record (so that a BatchNorm merged across a tap keeps it)
+        self.tapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.unhandled: list[str] = []
 
     # ------------------------------------------------------------ module context
@@ -101,13 +127,39 @@ class Session(TorchFunctionMode):
         """The rule set on the innermost module as ``module.rule``, if any."""
         return self.composite.own_rule(self.module)
 
-    def _enter_module(self, module: nn.Module, args: Any) -> None:
-        if getattr(_current, "session", None) is self:
-            self._stack.append(module)
+    def _enter_module(self, module: nn.Module, args: Any) -> Any:
+        if getattr(_current, "session", None) is not self:
+            return None
+        self._stack.append(module)
+        tapper = self._taps.get(module)
+        if tapper is not None and tapper.input:
+            return tapper(self, args)
+        return None
 
-    def _exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
-        if getattr(_current, "session", None) is self and self._stack and self._stack[-1] is module:
-            self._stack.pop()
+    def _exit_module(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if getattr(_current, "session", None) is not self or not self._stack or self._stack[-1] is not module:
+            return None
+        self._stack.pop()
+        tapper = self._taps.get(module)
+        if tapper is not None and not tapper.input and output is not None:
+            return tapper(self, output)
+        return None
+
+    def tap(self, value: Any, record) -> Any:
+        """Put a tap node on ``value`` that hands the relevance reaching it to ``record``.
+
+        ``record.below`` is set to the tapped tensor, the start of the graph
+        below the tap. The tap is transparent to BatchNorm merging.
+        """
+        if not isinstance(value, Tensor) or not value.requires_grad:
+            return value
+        record.below = value
+        out = tap(value, record)
+        producer = self.producers.get(value)
+        if producer is not None:
+            self.producers[out] = producer
+        self.tapped[out] = record
+        return out
 
     @contextmanager
     def active(self) -> Iterator["Session"]:
@@ -167,6 +219,7 @@ class Session(TorchFunctionMode):
             rule, source = self.composite.rule_for(call, self.module, self.module_name)
         if rule is None:  # winner-take-all: the gradient is the rule
             return call._call(call.func, call.activations)
+        call.audit = self.audit
         out = propagate(call, rule)
         if not rule.accepts(call):
             shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
@@ -176,14 +229,23 @@ class Session(TorchFunctionMode):
         return out
 
     def unknown(self, func, args: tuple, kwargs: dict) -> Any:
-        """An op without a rule: run it, and report it if relevance flows through it."""
-        out = func(*args, **kwargs)
-        if not isinstance(out, (Tensor, tuple, list)) or not has_activation(args, kwargs):
-            return out
-        description = f"{op_name(func)} in module '{self.module_name or '<root>'}'"
-        return watch(out, lambda: self._report(description))
+        """An op without a rule: its plain gradient, reported if relevance flows through it."""
+        if not has_activation(args, kwargs):
+            return func(*args, **kwargs)
+        call = OpCall("unknown", func, args, kwargs, op_name(func), self.module_name)
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in call.inputs]
+            out = call._call(func, leaves)
+        if isinstance(out, Tensor) and out.requires_grad:
+            call.keep_graph(leaves, out)
+            return self.run(call, rule=_Unhandled(self))
+        if not isinstance(out, (tuple, list)) or not any(isinstance(o, Tensor) and o.requires_grad for o in out):
+            return out  # nothing differentiable came out
+        # several outputs: run on the model's graph and report where relevance enters
+        return watch(call._call(func, call.activations), lambda relevance: self.report(call.describe(), relevance))
 
-    def _report(self, description: str) -> None:
+    def report(self, description: str, relevance: Tensor) -> None:
+        """Relevance reached an op without a rule: warn once (raise in strict mode)."""
         if self.strict:
             raise UnsupportedOpError(f"relprop: no rule for {description}; relevance would pass through its plain "
                                      "gradient (strict mode)")

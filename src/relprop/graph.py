@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["OpCall", "ParametricCall", "propagate", "watch", "is_relevance_node"]
+__all__ = ["OpCall", "ParametricCall", "propagate", "watch", "tap", "is_relevance_node"]
 
 
 def _is_activation(value: Any) -> bool:
@@ -53,6 +53,8 @@ class OpCall:
         self.name = name
         self.module_name = module_name
         self.rule = None
+        #: called as ``audit(call, relevance, input_relevances)`` after each propagation, if set
+        self.audit: Callable | None = None
         self._linearised = linearised or func
         leaves, self._spec = tree_flatten((args, kwargs))
         self._leaves = leaves
@@ -73,15 +75,18 @@ class OpCall:
         args, kwargs = tree_unflatten(leaves, self._spec)
         return func(*args, **kwargs)
 
+    def keep_graph(self, leaves: list[Tensor], out: Tensor) -> None:
+        """Use an autograd graph of the op built already, from ``leaves`` (one per input) to ``out``."""
+        self._graph = (leaves, out)
+
     def run(self) -> Tensor:
         """Compute the output; keep the op's gradient graph if the rule needs its VJP."""
-        if self.rule.needs_vjp:
+        if self.rule.needs_vjp and self._graph is None:
             with torch.enable_grad():
                 leaves = [x.detach().requires_grad_() for x in self.inputs]
-                out = self._call(self._linearised, leaves)
-            self._graph = (leaves, out)
-            if self._linearised is self.func:
-                return out.detach()
+                self._graph = (leaves, self._call(self._linearised, leaves))
+        if self._graph is not None and self._linearised is self.func:
+            return self._graph[1].detach()
         return self._call(self.func, self.inputs)
 
     def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -159,7 +164,10 @@ class _Propagate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, relevance: Tensor):
         call = ctx.call
-        return (None, *call.rule.propagate(call, relevance))
+        result = call.rule.propagate(call, relevance)
+        if call.audit is not None:
+            call.audit(call, relevance, result)
+        return (None, *result)
 
 
 def propagate(call: OpCall, rule) -> Tensor:
@@ -174,18 +182,18 @@ class _Watch(torch.autograd.Function):
     """Identity on the output of an op without a rule; reports it if relevance flows through."""
 
     @staticmethod
-    def forward(ctx, report: Callable[[], None], value: Tensor) -> Tensor:
+    def forward(ctx, report: Callable[[Tensor], None], value: Tensor) -> Tensor:
         ctx.report = report
         return value.clone()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        ctx.report()
+        ctx.report(grad)
         return None, grad
 
 
-def watch(value: Any, report: Callable[[], None]) -> Any:
-    """Wrap every floating output tensor of an unknown op so that ``report`` runs when relevance reaches it."""
+def watch(value: Any, report: Callable[[Tensor], None]) -> Any:
+    """Wrap every floating output tensor of an unknown op; ``report(relevance)`` runs when relevance reaches it."""
     if isinstance(value, Tensor):
         return _Watch.apply(report, value) if value.requires_grad else value
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
@@ -193,6 +201,25 @@ def watch(value: Any, report: Callable[[], None]) -> Any:
     if isinstance(value, list):
         return [watch(v, report) for v in value]
     return value
+
+
+class _Tap(torch.autograd.Function):
+    """Identity that hands the relevance passing through it to ``record`` (which may change it)."""
+
+    @staticmethod
+    def forward(ctx, record: Callable[[Tensor], Tensor | None], value: Tensor) -> Tensor:
+        ctx.record = record
+        return value.clone()  # a fresh tensor, so that later in-place ops on it are allowed
+
+    @staticmethod
+    def backward(ctx, relevance: Tensor):
+        changed = ctx.record(relevance)
+        return None, relevance if changed is None else changed
+
+
+def tap(value: Tensor, record: Callable[[Tensor], Tensor | None]) -> Tensor:
+    """``value`` behind a node that passes the relevance reaching it to ``record`` during the backward pass."""
+    return _Tap.apply(record, value)
 
 
 _NODE_TYPES = (_Propagate._backward_cls, _Watch._backward_cls)

@@ -26,12 +26,15 @@ Handler = Callable[[Any, Callable, tuple, dict], Any]
 
 
 def op_name(func: Callable) -> str:
-    """A readable name for a torch function, e.g. ``torch.conv2d`` or ``Tensor.add``."""
+    """A readable name for a torch function: ``torch.nn.functional.linear``, ``torch.conv2d``, ``Tensor.add``."""
     name = getattr(func, "__name__", None) or repr(func)
+    if getattr(F, name, None) is func:
+        return f"torch.nn.functional.{name}"
+    if getattr(torch, name, None) is func:
+        return f"torch.{name}"
     if getattr(func, "__objclass__", None) is not None or "TensorBase" in getattr(func, "__qualname__", ""):
         return f"Tensor.{name}"
-    module = getattr(func, "__module__", None) or "torch"
-    return f"{'torch.nn.functional' if module.startswith('torch.nn') else 'torch'}.{name}"
+    return f"{getattr(func, '__module__', None) or 'torch'}.{name}"
 
 
 def _is_activation(value: Any) -> bool:
@@ -180,7 +183,10 @@ def _batch_norm(session, func, args, kwargs):
 
     merged = producer.merge_batch_norm(batch_norm, scale, shift)
     merged.module_name = session.module_name
-    return session.run(merged, rule=producer.rule)
+    out = session.run(merged, rule=producer.rule)
+    record = session.tapped.get(x)
+    # a tap between the layer and its BatchNorm moves behind the merged pair: there the relevance arrives
+    return out if record is None else session.tap(out, record)
 
 
 # ---------------------------------------------------------------- linear, parameter-free
@@ -335,6 +341,14 @@ _register(
                "max_pool2d_with_indices max_pool3d_with_indices"),
     [_T.T.__get__, _T.mT.__get__, _T.data.__get__],
 )
+# metadata, comparisons and other outputs without a gradient: nothing to propagate
+_NO_RELEVANCE = ("dim ndimension size numel nelement element_size stride storage_offset is_contiguous "
+                 "is_floating_point is_complex __len__ __bool__ __index__ __int__ __float__ item tolist eq ne gt lt "
+                 "ge le __eq__ __ne__ __gt__ __lt__ __ge__ __le__ argmax argmin argsort isfinite isnan isinf any all "
+                 "nonzero count_nonzero __format__ __repr__ data_ptr get_device equal")
+_register(_run, _lookup(torch, _NO_RELEVANCE), _lookup(_T, _NO_RELEVANCE),
+          [getattr(_T, name).__get__ for name in "shape dtype device ndim requires_grad is_cuda layout grad_fn".split()
+           if hasattr(getattr(_T, name, None), "__get__")])
 _register(_run_in_place, _lookup(_T, "__setitem__ masked_fill_ copy_ zero_ fill_ index_put_ index_copy_ "
                                      "index_fill_ scatter_ masked_scatter_"))
 

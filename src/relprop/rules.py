@@ -37,7 +37,7 @@ from torch import Tensor
 
 __all__ = [
     "Rule", "Epsilon", "Norm", "BasicRule", "Term", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
-    "Flat", "WSquare", "Pass", "UniformProduct", "SignalTakesAll", "Proportional",
+    "Flat", "WSquare", "Pass", "Gradient", "UniformProduct", "SignalTakesAll", "Proportional",
     "denominator", "LINEAR_KINDS", "PARAMETRIC_KINDS",
 ]
 
@@ -397,6 +397,21 @@ def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
     if len(shape) > len(target):
         return False
     return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+
+
+class Gradient(Rule):
+    """The op's plain gradient applied to the relevance.
+
+    Exact for ops that only move values (max pooling is winner-take-all this
+    way); for other ops relevance is not what comes out. The engine uses it,
+    with a warning, for ops it has no rule for.
+    """
+
+    kinds = frozenset({"conv", "dense", "batchnorm", "sum", "norm", "elementwise", "product", "maxpool", "unknown"})
+    needs_vjp = True
+
+    def propagate(self, call, relevance):
+        return call.vjp(relevance)
 
 
 class UniformProduct(Rule):
