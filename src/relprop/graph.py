@@ -56,12 +56,16 @@ class OpCall:
         #: called as ``audit(call, relevance, input_relevances)`` after each propagation, if set
         self.audit: Callable | None = None
         self._linearised = linearised or func
-        leaves, self._spec = tree_flatten((args, kwargs))
+        if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
+            leaves, self._spec = tree_flatten((args, kwargs))
+        else:  # the common case, flat positional arguments: no pytree needed
+            leaves, self._spec = list(args), None
         self._leaves = leaves
         self._slots = [i for i, leaf in enumerate(leaves) if _is_activation(leaf)]
         self.inputs: tuple[Tensor, ...] = tuple(leaves[i].detach() for i in self._slots)
         self.output: Tensor | None = None
         self._graph: tuple[list[Tensor], Tensor] | None = None
+        self._prepared = False
 
     @property
     def activations(self) -> tuple[Tensor, ...]:
@@ -72,6 +76,8 @@ class OpCall:
         leaves = list(self._leaves)
         for slot, value in zip(self._slots, inputs):
             leaves[slot] = value
+        if self._spec is None:
+            return func(*leaves)
         args, kwargs = tree_unflatten(leaves, self._spec)
         return func(*args, **kwargs)
 
@@ -79,9 +85,12 @@ class OpCall:
         """Use an autograd graph of the op built already, from ``leaves`` (one per input) to ``out``."""
         self._graph = (leaves, out)
 
+    def _needs_graph(self) -> bool:
+        return self.rule.needs_vjp and self._graph is None
+
     def run(self) -> Tensor:
         """Compute the output; keep the op's gradient graph if the rule needs its VJP."""
-        if self.rule.needs_vjp and self._graph is None:
+        if self._needs_graph():
             with torch.enable_grad():
                 leaves = [x.detach().requires_grad_() for x in self.inputs]
                 self._graph = (leaves, self._call(self._linearised, leaves))
@@ -94,9 +103,18 @@ class OpCall:
         leaves, out = self._graph
         return torch.autograd.grad(out, leaves, grad, allow_unused=True)
 
+    def prepare(self) -> None:
+        """Let the rule precompute from the output, once: in the backward pass, or before the output changes."""
+        if not self._prepared:
+            self._prepared = True
+            self.rule.prepare(self)
+
     def protect(self) -> None:
-        """Keep a private copy of the output before user code modifies it in place."""
-        if self.rule is not None and self.rule.needs_output and self.output is not None:
+        """Before user code modifies the output in place: prepare now, and copy it if the rule reads it later."""
+        if self.rule is None or self.output is None:
+            return
+        self.prepare()
+        if self.rule.needs_output:
             self.output = self.output.clone()
 
     def describe(self) -> str:
@@ -107,30 +125,66 @@ class ParametricCall(OpCall):
     """A parametric linear op ``f(x; weight, bias)`` (convolution, dense layer).
 
     ``weight`` and ``bias`` are constants here; a BatchNorm that directly
-    follows the op is merged into them by :meth:`merge_batch_norm`.
+    follows the op is merged into them by :meth:`merge_batch_norm`. With
+    ``transpose`` (the op's VJP with respect to ``x``, e.g. a transposed
+    convolution) no autograd graph is kept for epsilon-type rules.
     """
 
     def __init__(self, kind, func, args, kwargs, name, module_name, weight: Tensor, bias: Tensor | None,
-                 evaluate: Callable[[Tensor, Tensor, Tensor | None], Tensor], channel_dim: int):
+                 evaluate: Callable[[Tensor, Tensor, Tensor | None], Tensor], channel_dim: int | None,
+                 transpose: Callable[[Tensor], Tensor] | None = None):
         super().__init__(kind, func, args, kwargs, name, module_name)
-        self.weight = weight
-        self.bias = bias
         self.evaluate = evaluate
         self.is_first = False
+        self._weight, self._bias = weight, bias
         self._channel_dim = channel_dim  # weight dimension that indexes output channels
+        self._transpose = transpose
+        self._batch_norm: tuple[Tensor, Tensor] | None = None  # merged (scale, shift) per output channel
+        self._merged: tuple[Tensor, Tensor] | None = None
         self._value: Tensor | None = None
+
+    @property
+    def weight(self) -> Tensor:
+        return self._weight if self._batch_norm is None else self._merged_parameters()[0]
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self._bias if self._batch_norm is None else self._merged_parameters()[1]
+
+    def _merged_parameters(self) -> tuple[Tensor, Tensor]:
+        if self._merged is None:  # only rules that modify parameters need them
+            scale, shift = self._batch_norm
+            shape = [1] * self._weight.dim()
+            shape[self._channel_dim] = -1
+            bias = self._bias if self._bias is not None else torch.zeros_like(scale)
+            self._merged = (self._weight * scale.reshape(shape), bias * scale + shift)
+        return self._merged
+
+    def _output_shape(self, vector: Tensor) -> Tensor:
+        """A per-channel vector shaped to broadcast against the output."""
+        shape = [1] * self.output.dim()
+        shape[1 if self.kind == "conv" else -1] = -1
+        return vector.reshape(shape)
 
     def bias_term(self) -> Tensor:
         """The bias, shaped to broadcast against the output."""
-        shape = [1] * self.output.dim()
-        shape[1 if self.kind == "conv" else -1] = -1
-        return self.bias.reshape(shape)
+        return self._output_shape(self.bias)
+
+    def _needs_graph(self) -> bool:
+        return self._transpose is None and super()._needs_graph()
 
     def run(self) -> Tensor:
         if self._value is not None:  # a merged call: the output was computed by the BatchNorm itself
             value, self._value = self._value, None
             return value
         return super().run()
+
+    def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if self._graph is not None:
+            return super().vjp(grad)
+        if self._batch_norm is not None:
+            grad = grad * self._output_shape(self._batch_norm[0])
+        return (self._transpose(grad),)
 
     def merge_batch_norm(self, batch_norm: Callable[[Tensor], Tensor], scale: Tensor, shift: Tensor) -> "ParametricCall":
         """A copy of this call with ``batch_norm(f(x)) = f(x; scale*W, scale*b + shift)`` merged in.
@@ -139,11 +193,8 @@ class ParametricCall(OpCall):
         stays bitwise the plain model's.
         """
         merged = copy.copy(self)
-        shape = [1] * self.weight.dim()
-        shape[self._channel_dim] = -1
-        merged.weight = self.weight * scale.reshape(shape)
-        bias = self.bias if self.bias is not None else torch.zeros_like(scale)
-        merged.bias = bias * scale + shift
+        merged._batch_norm = (scale, shift)
+        merged._prepared = False
         merged.name = f"{self.name}+batch_norm"
         merged._value = batch_norm(self.output)
         if self._graph is not None:
@@ -164,6 +215,7 @@ class _Propagate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, relevance: Tensor):
         call = ctx.call
+        call.prepare()
         result = call.rule.propagate(call, relevance)
         if call.audit is not None:
             call.audit(call, relevance, result)

@@ -80,19 +80,21 @@ def _run_in_place(session, func, args, kwargs):
 
 # ---------------------------------------------------------------- in place
 
-def _in_place(out_of_place: Callable, handler: Handler) -> Handler:
-    """Handle ``x.op_(...)`` as ``x.copy_(op(x.clone(), ...))``.
+def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True) -> Handler:
+    """Handle ``x.op_(...)`` as ``x.copy_(op(x, ...))``.
 
-    The rule node works on a copy of the target, so nothing it saved changes;
-    ``copy_`` keeps the in-place meaning for callers that ignore the result.
+    If the op's rule may keep its input for the backward pass
+    (``keeps_input``), it works on a copy of the target, so that nothing it
+    saved changes; ``copy_`` keeps the in-place meaning for callers that
+    ignore the result.
     """
     def handle(session, func, args, kwargs):
         target = args[0]
         if not has_activation(args, kwargs):
             return func(*args, **kwargs)
         session.protect(target)
-        result = handler(session, out_of_place, (target.clone(), *args[1:]), kwargs)
-        return target.copy_(result)
+        source = target.clone() if keeps_input else target
+        return target.copy_(handler(session, out_of_place, (source, *args[1:]), kwargs))
     return handle
 
 
@@ -106,51 +108,71 @@ def _with_inplace_flag(handler: Handler) -> Handler:
         target = next(iter(bound.values()))
         if not _is_activation(target):
             return func(*args, **kwargs)
-        session.protect(target)
-        first = next(iter(bound))
-        bound[first] = target.clone()
+        session.protect(target)  # elementwise rules keep nothing of their input: no copy needed
         return target.copy_(handler(session, func, (), bound))
     return handle
 
 
 # ---------------------------------------------------------------- parametric
 
-def _parametric(kind: str, channel_dim: int) -> Handler:
+_CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_TRANSPOSE = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+_LINEAR = ("input", "weight", "bias")
+
+
+def _conv_vjp(x: Tensor, weight: Tensor, options: dict, transposed: bool) -> Callable[[Tensor], Tensor] | None:
+    """The VJP of a convolution with respect to its input, as one transposed convolution (no autograd)."""
+    dims = weight.dim() - 2
+
+    def expand(value):
+        return [value] * dims if isinstance(value, int) else list(value)
+
+    padding = options.get("padding", 0)
+    if isinstance(padding, str):  # "same" / "valid": leave it to autograd
+        return None
+    stride, padding, dilation = expand(options.get("stride", 1)), expand(padding), expand(options.get("dilation", 1))
+    output_padding = expand(options.get("output_padding", 0)) if transposed else [0] * dims
+    groups = options.get("groups", 1)
+
+    def transpose(grad: Tensor) -> Tensor:
+        return torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, transposed,
+                                                   output_padding, groups, [True, False, False])[0]
+    return transpose
+
+
+def _parametric(kind: str, names: tuple[str, ...]) -> Handler:
     """Convolutions and dense layers: ``f(x; weight, bias)``, rule from the composite."""
+    transposed = names is _CONV_TRANSPOSE
+
     def handle(session, func, args, kwargs):
-        args = list(args)
-        params = {}
-        for position, key in ((0, "input"), (1, "weight"), (2, "bias")):
-            if len(args) > position:
-                params[key] = args[position]
-            else:
-                params[key] = kwargs.pop(key, None)
-        x, weight, bias = params["input"], params["weight"], params["bias"]
+        bound = _bind_builtin(names, args, kwargs)
+        x, weight, bias = bound.get("input"), bound.get("weight"), bound.get("bias")
         if not _is_activation(x):
-            return func(x, weight, bias, *args[3:], **kwargs)
+            return func(*args, **kwargs)
         # weights computed from the input are held constant: relevance flows to the data input only
         weight = weight.detach()
         bias = bias.detach() if bias is not None else None
-        rest, options = tuple(args[3:]), kwargs
+        options = {key: value for key, value in bound.items() if key not in _LINEAR}
 
         def evaluate(inp, w, b):
-            return func(inp, w, b, *rest, **options)
+            return func(inp, w, b, **options)
 
-        call = ParametricCall(kind, func, (x, weight, bias, *rest), options, op_name(func), session.module_name,
-                              weight, bias, evaluate, channel_dim)
+        if kind == "dense":
+            transpose, channel_dim = (lambda grad: grad @ weight), 0
+        else:
+            transpose = _conv_vjp(x.detach(), weight, options, transposed)
+            # a merged BatchNorm scales the weight's output-channel dimension: 1 for transposed
+            # convolutions, which holds output channels only for groups == 1
+            channel_dim = (1 if options.get("groups", 1) == 1 else None) if transposed else 0
+        call = ParametricCall(kind, func, (x, weight, bias), options, op_name(func), session.module_name,
+                              weight, bias, evaluate, channel_dim, transpose)
         call.is_first = session.fed_by_input(x)
         return session.run(call)
     return handle
 
 
-def _conv_transpose(session, func, args, kwargs):
-    bound = _bind_builtin(("input", "weight", "bias", "stride", "padding", "output_padding", "groups"), args, kwargs)
-    # merging a following BatchNorm scales weight dimension 1, which holds output channels only for groups == 1
-    channel_dim = 1 if bound.get("groups", 1) == 1 else None
-    return _parametric("conv", channel_dim)(session, func, args, kwargs)
-
-
 def _bind_builtin(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Arguments of a builtin (which has no signature to bind with) by name."""
     bound = dict(zip(names, args))
     bound.update(kwargs)
     return bound
@@ -352,9 +374,9 @@ _register(_run, _lookup(torch, _NO_RELEVANCE), _lookup(_T, _NO_RELEVANCE),
 _register(_run_in_place, _lookup(_T, "__setitem__ masked_fill_ copy_ zero_ fill_ index_put_ index_copy_ "
                                      "index_fill_ scatter_ masked_scatter_"))
 
-_register(_parametric("conv", 0), _lookup(torch, "conv1d conv2d conv3d"))
-_register(_conv_transpose, _lookup(torch, "conv_transpose1d conv_transpose2d conv_transpose3d"))
-_register(_parametric("dense", 0), [F.linear])
+_register(_parametric("conv", _CONV), _lookup(torch, "conv1d conv2d conv3d"))
+_register(_parametric("conv", _CONV_TRANSPOSE), _lookup(torch, "conv_transpose1d conv_transpose2d conv_transpose3d"))
+_register(_parametric("dense", _LINEAR), [F.linear])
 _register(_batch_norm, [F.batch_norm])
 
 _SUMS = "add sub rsub sum mean nansum cumsum __radd__ __rsub__"
@@ -381,12 +403,12 @@ _register(_with_inplace_flag(_elementwise_pass),
 _register(_elementwise(gate=True), _lookup(torch, "sigmoid"), _lookup(_T, "sigmoid"), [F.sigmoid])
 _register(_with_inplace_flag(_elementwise(gate=True)), [F.hardsigmoid])
 for _name in "relu exp sqrt rsqrt abs neg reciprocal pow clamp clip tanh".split():
-    _register(_in_place(getattr(_T, _name), _elementwise_pass), _lookup(_T, f"{_name}_"), _lookup(torch, f"{_name}_"))
-_register(_in_place(_T.sigmoid, _elementwise(gate=True)), _lookup(_T, "sigmoid_"), _lookup(torch, "sigmoid_"))
-_register(_in_place(F.relu, _elementwise_pass), _lookup(F, "relu_"))
-_register(_in_place(F.elu, _elementwise_pass), _lookup(F, "elu_"))
-_register(_in_place(F.leaky_relu, _elementwise_pass), _lookup(F, "leaky_relu_"))
-_register(_in_place(F.hardtanh, _elementwise_pass), _lookup(F, "hardtanh_"))
+    _register(_in_place(getattr(_T, _name), _elementwise_pass, keeps_input=False),
+              _lookup(_T, f"{_name}_"), _lookup(torch, f"{_name}_"))
+_register(_in_place(_T.sigmoid, _elementwise(gate=True), keeps_input=False),
+          _lookup(_T, "sigmoid_"), _lookup(torch, "sigmoid_"))
+for _function in (F.relu, F.elu, F.leaky_relu, F.hardtanh):
+    _register(_in_place(_function, _elementwise_pass, keeps_input=False), _lookup(F, f"{_function.__name__}_"))
 
 _MUL, _DIV, _MATMUL = "mul multiply __rmul__", "div divide true_divide __rdiv__ __rtruediv__ __truediv__", \
     "matmul mm bmm einsum __matmul__ __rmatmul__"

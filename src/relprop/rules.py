@@ -38,7 +38,7 @@ from torch import Tensor
 __all__ = [
     "Rule", "Epsilon", "Norm", "BasicRule", "Term", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
     "Flat", "WSquare", "Pass", "Gradient", "UniformProduct", "SignalTakesAll", "Proportional",
-    "denominator", "LINEAR_KINDS", "PARAMETRIC_KINDS",
+    "denominator", "inverse_denominator", "LINEAR_KINDS", "PARAMETRIC_KINDS",
 ]
 
 #: Op kinds that are linear in their activation inputs.
@@ -58,6 +58,14 @@ def denominator(z: Tensor, epsilon: float) -> Tensor:
     return torch.where(z >= 0, z + epsilon, z - epsilon)
 
 
+def inverse_denominator(z: Tensor, epsilon: float) -> Tensor:
+    """``1 / denominator(z, epsilon)``, in as few passes over memory as possible."""
+    if epsilon == 0:
+        return torch.where(z == 0, 0.0, z.reciprocal())
+    # copysign(eps, 0.0) = +eps; the rare -0.0 gets -eps, the same magnitude
+    return (z + torch.copysign(torch.tensor(epsilon, dtype=z.dtype, device=z.device), z)).reciprocal_()
+
+
 def _sum_to(tensor: Tensor, shape: torch.Size) -> Tensor:
     """Sum ``tensor`` over the dimensions along which ``shape`` was broadcast."""
     return tensor if tensor.shape == shape else tensor.sum_to_size(shape)
@@ -75,12 +83,19 @@ class Rule:
     #: whether :meth:`propagate` calls ``call.vjp``: the engine then keeps the
     #: op's autograd graph from the forward pass instead of re-running it
     needs_vjp: bool = False
-    #: whether :meth:`propagate` reads ``call.output``
+    #: whether :meth:`propagate` reads ``call.output`` (else it may be overwritten in place)
     needs_output: bool = False
 
     def accepts(self, call) -> bool:
         """Whether this rule can propagate through ``call``."""
         return call.kind in self.kinds
+
+    def prepare(self, call) -> None:
+        """Precompute from ``call.output`` what :meth:`propagate` needs.
+
+        Called once per call, at the start of the backward pass, or earlier if
+        the output is about to be modified in place.
+        """
 
     def propagate(self, call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         """Return the relevance of each of ``call.inputs`` given the output relevance."""
@@ -108,7 +123,6 @@ class Epsilon(Rule):
 
     kinds = LINEAR_KINDS
     needs_vjp = True
-    needs_output = True
 
     def __init__(self, epsilon: float = 1e-6, zero_bias: bool = False):
         self.epsilon = epsilon
@@ -117,12 +131,15 @@ class Epsilon(Rule):
     def accepts(self, call) -> bool:
         return super().accepts(call) and (not self.zero_bias or call.kind in PARAMETRIC_KINDS)
 
-    def propagate(self, call, relevance):
+    def prepare(self, call) -> None:
         z = call.output
         if self.zero_bias and call.bias is not None:
             z = z - call.bias_term()
-        scaled = relevance / denominator(z, self.epsilon)
-        return tuple(None if c is None else x * c for x, c in zip(call.inputs, call.vjp(scaled)))
+        call.inverse = inverse_denominator(z, self.epsilon)
+
+    def propagate(self, call, relevance):
+        return tuple(None if c is None else x * c
+                     for x, c in zip(call.inputs, call.vjp(relevance * call.inverse)))
 
 
 class Norm(Epsilon):
@@ -423,15 +440,15 @@ class UniformProduct(Rule):
 
     kinds = frozenset({"product"})
     needs_vjp = True
-    needs_output = True
 
     def __init__(self, epsilon: float = 1e-6):
         self.epsilon = epsilon
 
+    def prepare(self, call) -> None:
+        call.inverse = inverse_denominator(call.output, self.epsilon) / len(call.inputs)
+
     def propagate(self, call, relevance):
-        share = 1.0 / len(call.inputs)
-        scaled = relevance / denominator(call.output, self.epsilon)
-        return tuple(None if c is None else share * x * c for x, c in zip(call.inputs, call.vjp(scaled)))
+        return tuple(None if c is None else x * c for x, c in zip(call.inputs, call.vjp(relevance * call.inverse)))
 
 
 class SignalTakesAll(Rule):

@@ -1,0 +1,165 @@
+"""Side-by-side timing and peak memory: plain input gradient, relprop presets, zennit, captum.
+
+Every method runs in the same process, interleaved round by round after a
+warm-up, and the table reports medians, so that a noisy shared machine
+affects all methods alike. Peak memory is measured in a fresh subprocess per
+method (peak resident memory above the memory after the model is built and
+has run once). ``python benchmarks/bench.py --help`` lists the options.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torchvision
+
+import relprop
+
+PRESETS = ["epsilon", "epsilon-plus", "epsilon-plus-flat", "epsilon-alpha2-beta1", "epsilon-gamma-box"]
+ZENNIT = {"epsilon-plus": "EpsilonPlus", "epsilon-plus-flat": "EpsilonPlusFlat",
+          "epsilon-alpha2-beta1": "EpsilonAlpha2Beta1", "epsilon-gamma-box": "EpsilonGammaBox"}
+BOUNDS = {"low": -3.0, "high": 3.0}
+
+
+def build(name: str) -> torch.nn.Module:
+    return torchvision.models.get_model(name, weights=None).eval()
+
+
+def plain_gradient(model, x, target):
+    x = x.detach().requires_grad_()
+    out = model(x)
+    (grad,) = torch.autograd.grad(out[torch.arange(len(target)), target].sum(), x)
+    return grad
+
+
+def relprop_method(model, preset):
+    composite = relprop.composites.get(preset, **(BOUNDS if preset == "epsilon-gamma-box" else {}))
+    lrp = relprop.LRP(model, composite)
+    return lambda m, x, target: lrp.attribute(x, target=target)
+
+
+def zennit_method(model, preset, name):
+    from zennit import composites
+    from zennit.attribution import Gradient
+    from zennit.torchvision import ResNetCanonizer, VGGCanonizer
+
+    canonizer = ResNetCanonizer() if "resnet" in name else VGGCanonizer()
+    kwargs = {"low": torch.full((1, 3, 1, 1), -3.0), "high": torch.full((1, 3, 1, 1), 3.0)} \
+        if preset == "epsilon-gamma-box" else {}
+    composite = getattr(composites, ZENNIT[preset])(canonizers=[canonizer], **kwargs)
+    reference = copy.deepcopy(model)
+
+    def run(m, x, target):
+        with Gradient(model=reference, composite=composite) as attributor:
+            return attributor(x, torch.eye(1000)[target])[1]
+    return run
+
+
+def captum_method(model):
+    from captum.attr import LRP as CaptumLRP
+
+    reference = copy.deepcopy(model)
+    lrp = CaptumLRP(reference)
+    return lambda m, x, target: lrp.attribute(x, target=list(target))
+
+
+def methods(model, name: str, which: list[str]) -> dict[str, Callable]:
+    table = {"gradient": plain_gradient}
+    for preset in PRESETS:
+        table[f"relprop {preset}"] = relprop_method(model, preset)
+        if preset in ZENNIT and "zennit" in which:
+            table[f"zennit {preset}"] = zennit_method(model, preset, name)
+    if "captum" in which and "vgg" in name:  # captum copies relevance to both summands of a residual +
+        table["captum epsilon"] = captum_method(model)
+    return table
+
+
+def time_all(name: str, batch: int, size: int, rounds: int, which: list[str]) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = build(name)
+    x = torch.randn(batch, 3, size, size)
+    target = torch.randint(0, 1000, (batch,)).tolist()
+    table = methods(model, name, which)
+    for run in table.values():  # warm-up
+        run(model, x, target)
+    times = {key: [] for key in table}
+    for _ in range(rounds):
+        for key, run in table.items():
+            start = time.perf_counter()
+            run(model, x, target)
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * resource.getpagesize() // 1024
+
+
+def peak_memory_child(name: str, batch: int, size: int, key: str, which: list[str]) -> None:
+    torch.manual_seed(0)
+    model = build(name)
+    x = torch.randn(batch, 3, size, size)
+    target = torch.randint(0, 1000, (batch,)).tolist()
+    with torch.no_grad():
+        model(x)
+    run = methods(model, name, which)[key]
+    before = _rss()
+    run(model, x, target)
+    run(model, x, target)
+    print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before))
+
+
+def peak_memory(name: str, batch: int, size: int, key: str, which: list[str]) -> float:
+    out = subprocess.run([sys.executable, __file__, "--memory-child", name, str(batch), str(size), key,
+                          "--with", *which], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1]) / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["vgg16", "resnet50"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--with", dest="which", nargs="*", default=["zennit", "captum"],
+                        help="references to include: zennit captum")
+    parser.add_argument("--memory", action="store_true", help="also measure peak memory (one subprocess each)")
+    parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child:
+        name, batch, size, key = args.memory_child
+        peak_memory_child(name, int(batch), int(size), key, args.which)
+        return
+
+    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
+          f"{torch.__version__}, torchvision {torchvision.__version__}, float32, {args.size}x{args.size}, "
+          f"median of {args.rounds} rounds")
+    for name in args.models:
+        for batch in args.batches:
+            times = time_all(name, batch, args.size, args.rounds, args.which)
+            base = times["gradient"]
+            print(f"\n## {name}, batch {batch}\n")
+            header = "| method | time (s) | x gradient |" + (" peak MiB | x gradient |" if args.memory else "")
+            print(header)
+            print("|" + "|".join([" --- "] * (header.count("|") - 1)) + "|")
+            memory_base = peak_memory(name, batch, args.size, "gradient", args.which) if args.memory else None
+            for key, seconds in times.items():
+                row = f"| {key} | {seconds:.3f} | {seconds / base:.2f} |"
+                if args.memory:
+                    peak = peak_memory(name, batch, args.size, key, args.which)
+                    row += f" {peak:.0f} | {peak / memory_base:.2f} |"
+                print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
