@@ -13,14 +13,14 @@ Modules: :mod:`relprop.rules` (how relevance crosses one op),
 inside the model, concepts), :mod:`relprop.audit` (a per-op account).
 """
 from . import composites, rules
-from .attribution import LRP, model_logits, output_relevance
+from .attribution import LRP, Contrastive, model_logits, output_relevance
 from .audit import Audit, audit
 from .composites import Composite
 from .engine import RuleError, UnhandledOpWarning, UnsupportedOpError
 from .layer import LayerLRP, ModuleRelevance, module_relevance
 
 __all__ = [
-    "LRP", "LayerLRP", "module_relevance", "ModuleRelevance", "audit", "Audit", "Composite", "composites", "rules", "output_relevance", "model_logits",
+    "LRP", "LayerLRP", "Contrastive", "module_relevance", "ModuleRelevance", "audit", "Audit", "Composite", "composites", "rules", "output_relevance", "model_logits",
     "RuleError", "UnsupportedOpError", "UnhandledOpWarning",
 ]
 __version__ = "0.1.0"

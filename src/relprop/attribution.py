@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from . import composites
 from .engine import Session
 
-__all__ = ["LRP", "output_relevance", "target_mask", "model_logits", "convergence_delta"]
+__all__ = ["LRP", "ForwardPass", "Contrastive", "output_relevance", "target_mask", "model_logits", "convergence_delta"]
 
 Target = int | tuple | Sequence | Tensor | None
 
@@ -92,12 +92,44 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
     return mask
 
 
+class Contrastive:
+    """A contrastive target: explain ``f_t - mean of the other outputs`` instead of ``f_t``.
+
+    The output relevance is ``f_t`` at the target and ``-f_j / (C - 1)`` at
+    each of the ``C - 1`` other entries along the target's last indexed
+    dimension (the classes, or the vocabulary at a position).
+
+    Examples
+    --------
+    >>> lrp.attribute(x, target=relprop.Contrastive(3))
+    >>> lrp.attribute(input_ids, target=relprop.Contrastive((-1, token_id)))
+    """
+
+    def __init__(self, target: Target):
+        self.target = target
+
+    def relevance(self, output: Tensor) -> Tensor:
+        mask = target_mask(output, self.target)
+        depth = len(self.target) if isinstance(self.target, tuple) else 1
+        if isinstance(self.target, list) and self.target and isinstance(self.target[0], tuple):
+            depth = len(self.target[0])
+        others = mask.any(depth, keepdim=True).expand_as(mask) & ~mask
+        zero = torch.zeros((), dtype=output.dtype, device=output.device)
+        return torch.where(mask, output, zero) - torch.where(others, output, zero) / (output.shape[depth] - 1)
+
+    def __repr__(self) -> str:
+        return f"Contrastive({self.target!r})"
+
+
 def output_relevance(output: Tensor, target: Target) -> Tensor:
     """The relevance seeded at the output: ``output`` where ``target`` selects, 0 elsewhere.
 
     See :func:`target_mask` for ``target``. A floating-point tensor of the
-    output's shape is taken as the output relevance itself.
+    output's shape is taken as the output relevance itself; a
+    :class:`Contrastive` target explains the target against the others.
     """
+    if isinstance(target, Contrastive):
+        return target.relevance(output.detach())
     if isinstance(target, Tensor) and target.is_floating_point():
         if target.shape != output.shape:
             raise ValueError(f"relprop: output relevance of shape {tuple(target.shape)} does not match the model "
@@ -159,17 +191,17 @@ class LRP:
             yield session
 
     @contextmanager
-    def _session(self, taps=None, audit=None) -> Iterator[Session]:
-        session = Session(self.model, self.composite, self.strict, taps=taps, audit=audit)
+    def _session(self, taps=None, audit=None, token_inputs=()) -> Iterator[Session]:
+        session = Session(self.model, self.composite, self.strict, taps=taps, audit=audit, token_inputs=token_inputs)
         with torch.enable_grad(), session.active():
             yield session
 
     def forward(self, inputs: Tensor | Sequence[Tensor], additional_forward_args: Any = None, taps=None,
-                audit=None) -> tuple[tuple[Tensor, ...], Tensor]:
-        """Run the model once under the engine: the input leaves (in the order given) and the logits.
+                audit=None) -> "ForwardPass":
+        """Run the model once under the engine, ready for :meth:`ForwardPass.relevance`.
 
-        Floating-point inputs are new leaves that require grad; the relevance
-        of input ``i`` is the gradient of the logits with respect to ``leaves[i]``.
+        ``additional_forward_args`` may be a tuple of further positional
+        arguments or a dict of keyword arguments (``attention_mask=...``).
         ``taps`` and ``audit`` are handed to :class:`~relprop.engine.Session`.
         """
         inputs = _as_tuple(inputs)
@@ -178,12 +210,14 @@ class LRP:
         if len({x.shape[0] if x.dim() else None for x in inputs}) > 1:
             raise ValueError("relprop: inputs disagree on the batch size: "
                              + ", ".join(str(tuple(x.shape)) for x in inputs))
-        extra = tuple(a.detach() if isinstance(a, Tensor) else a for a in _as_tuple(additional_forward_args))
+        extra, keywords = _forward_arguments(additional_forward_args)
         leaves = tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs)
-        with self._session(taps, audit):
+        tokens = tuple(x for x in leaves if not x.is_floating_point())
+        with self._session(taps, audit, tokens) as session:
             # the model sees copies, so that in-place ops on its inputs are allowed
-            output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra)
-        return leaves, model_logits(output)
+            output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra, **keywords)
+        embeddings = {_position(leaves, tokens[i]): found for i, found in session.embeddings.items()}
+        return ForwardPass(leaves, model_logits(output), embeddings)
 
     def attribute(self, inputs: Tensor | Sequence[Tensor], target: Target = None,
                   additional_forward_args: Any = None, return_convergence_delta: bool = False):
@@ -192,13 +226,17 @@ class LRP:
         Parameters
         ----------
         inputs : Tensor or tuple of Tensors
-            Model inputs, batch first. Each floating-point input gets relevance.
-        target : int, tuple, list, Tensor or None
+            Model inputs, batch first. Each floating-point input gets relevance
+            of its shape. Integer inputs (token ids) that the model embeds get
+            one relevance per token, in their shape: the relevance of the
+            embedded vectors summed over the hidden dimension.
+        target : int, tuple, list, Tensor, Contrastive or None
             What to explain (captum's semantics, see :func:`target_mask`).
             The output relevance is the selected output value, so relevance
             sums to about ``f_t(x)``.
-        additional_forward_args : any or tuple, optional
-            Further positional arguments of the model; they get no relevance.
+        additional_forward_args : tuple or dict, optional
+            Further positional arguments of the model, or keyword arguments
+            (``{"attention_mask": mask}``); they get no relevance.
         return_convergence_delta : bool
             Also return ``seed total - relevance total`` per example.
 
@@ -207,24 +245,66 @@ class LRP:
         Tensor, or tuple of Tensors for tuple inputs; and the delta if asked.
         """
         with torch.inference_mode(False):
-            leaves, logits = self.forward(inputs, additional_forward_args)
-            seed = output_relevance(logits, target)
-            explained = [x for x in leaves if x.requires_grad]
-            grads = torch.autograd.grad(logits, explained, seed, allow_unused=True) if explained else ()
-        found = iter(grads)
-        relevance = tuple(_relevance_of(x, next(found)) if x.requires_grad else torch.zeros_like(x, dtype=seed.dtype)
-                          for x in leaves)
+            explained = self.forward(inputs, additional_forward_args)
+            seed = output_relevance(explained.logits, target)
+            relevance = explained.relevance(seed)
         result = relevance[0] if isinstance(inputs, Tensor) else relevance
         if not return_convergence_delta:
             return result
         return result, convergence_delta(seed, relevance)
 
 
+def _position(items: Sequence[Tensor], item: Tensor) -> int:
+    return next(i for i, candidate in enumerate(items) if candidate is item)
+
+
+def _forward_arguments(value: Any) -> tuple[tuple, dict]:
+    """Positional and keyword arguments from ``additional_forward_args``; tensors detached."""
+    def detach(a):
+        return a.detach() if isinstance(a, Tensor) else a
+    if isinstance(value, Mapping):
+        return (), {key: detach(a) for key, a in value.items()}
+    return tuple(detach(a) for a in _as_tuple(value)), {}
+
+
+class ForwardPass:
+    """One forward pass under the engine: the inputs as it saw them, the logits, the token embeddings.
+
+    Attributes
+    ----------
+    inputs : tuple of Tensor
+        Floating-point inputs as leaves that require grad; integer inputs as given.
+    logits : Tensor
+    """
+
+    def __init__(self, inputs: tuple[Tensor, ...], logits: Tensor, embeddings: dict[int, list[Tensor]]):
+        self.inputs = inputs
+        self.logits = logits
+        self._embeddings = embeddings
+
+    def relevance(self, seed: Tensor) -> tuple[Tensor, ...]:
+        """Propagate ``seed`` from the logits: the relevance of each input."""
+        explained = [x for x in self.inputs if x.requires_grad]
+        embedded = [leaf for leaves in self._embeddings.values() for leaf in leaves]
+        grads = iter(torch.autograd.grad(self.logits, explained + embedded, seed, allow_unused=True)
+                     if explained or embedded else ())
+        by_leaf = {id(leaf): next(grads) for leaf in explained + embedded}
+        relevance = []
+        for index, x in enumerate(self.inputs):
+            if x.requires_grad:
+                grad = by_leaf[id(x)]
+                relevance.append(grad if grad is not None else torch.zeros_like(x))
+                continue
+            tokens = torch.zeros(x.shape, dtype=seed.dtype, device=x.device)
+            for leaf in self._embeddings.get(index, []):
+                grad = by_leaf[id(leaf)]
+                if grad is not None:
+                    tokens = tokens + grad.sum(-1).reshape(x.shape)
+            relevance.append(tokens)
+        return tuple(relevance)
+
+
 def convergence_delta(seed: Tensor, relevance: Sequence[Tensor]) -> Tensor:
     """``seed total - relevance total`` per example."""
     total = sum(r.reshape(r.shape[0], -1).sum(1) for r in relevance)
     return seed.reshape(seed.shape[0], -1).sum(1) - total
-
-
-def _relevance_of(leaf: Tensor, grad: Tensor | None) -> Tensor:
-    return torch.zeros_like(leaf) if grad is None else grad

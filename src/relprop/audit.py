@@ -82,11 +82,9 @@ def audit(model: nn.Module, inputs: Tensor | Sequence[Tensor], target: Target = 
 
     lrp = LRP(model, composite)
     with torch.inference_mode(False):
-        leaves, logits = lrp.forward(inputs, additional_forward_args, audit=record)
-        seed = output_relevance(logits, target)
-        explained = [x for x in leaves if x.requires_grad]
+        explained = lrp.forward(inputs, additional_forward_args, audit=record)
+        seed = output_relevance(explained.logits, target)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # unhandled ops are rows of the table here
-            grads = torch.autograd.grad(logits, explained, seed, allow_unused=True)
-    input_total = sum(g.sum().item() for g in grads if g is not None)
-    return Audit(rows, seed.sum().item(), input_total)
+            relevance = explained.relevance(seed)
+    return Audit(rows, seed.sum().item(), sum(r.sum().item() for r in relevance))

@@ -15,8 +15,10 @@ relevance through it. The answer is found in this order, first match wins:
 6. The op family's default: epsilon (with the composite's epsilon) on sums,
    average pooling, normalisation and BatchNorms that follow no linear op;
    Pass on elementwise activations and on scaling by constants; max pooling
-   winner-take-all; products of two activations split uniformly, except that
-   a sigmoid-type gate or a divisor takes no relevance.
+   winner-take-all; the softmax rule inside the model; products of two
+   activations and fused attention split uniformly, except that a factor of a
+   kind in ``gate_kinds`` (a sigmoid gate, ``rsqrt`` of a variance, a
+   divisor; for CP-LRP also activations and attention weights) takes none.
 
 A mapped rule (steps 2-4) is only used for ops of the kinds it is about
 (``rule.kinds``): a name pattern that matches a whole block gives its rule to
@@ -39,7 +41,7 @@ from .rules import Rule
 
 __all__ = [
     "Composite", "Epsilon", "EpsilonPlus", "EpsilonPlusFlat", "EpsilonAlpha2Beta1", "EpsilonAlpha2Beta1Flat",
-    "EpsilonGammaBox", "PRESETS", "get",
+    "EpsilonGammaBox", "AttnLRP", "CPLRP", "PRESETS", "get",
 ]
 
 _TypeMap = Mapping[type | tuple[type, ...], Rule] | Iterable[tuple[type | tuple[type, ...], Rule]]
@@ -70,6 +72,10 @@ class Composite:
     name_map : mapping or pairs of module-path pattern to Rule, optional
     """
 
+    #: what makes a factor of a product a gate that takes no relevance: a sigmoid output, a normalising
+    #: statistic (``x * rsqrt(var)``), a divisor
+    gate_kinds: frozenset[str] = frozenset({"sigmoid", "statistic", "divisor"})
+
     def __init__(self, epsilon: float = 1e-6, conv: Rule | None = None, dense: Rule | None = None,
                  first: Mapping[str, Rule] | None = None, layer_map: _TypeMap | None = None,
                  name_map: _NameMap | None = None):
@@ -82,7 +88,9 @@ class Composite:
         self._linear = rules.Epsilon(epsilon)
         self._pass = rules.Pass()
         self._uniform = rules.UniformProduct(epsilon)
-        self._gated = rules.SignalTakesAll()
+        self._gated = rules.SignalTakesAll(epsilon)
+        self._softmax = rules.Softmax()
+        self.attention: Rule = self._uniform
 
     @staticmethod
     def own_rule(module: nn.Module | None) -> Rule | None:
@@ -96,6 +104,8 @@ class Composite:
         None means winner-take-all (the plain gradient). The engine checks
         with ``rule.accepts`` that the rule can apply once the op has run.
         """
+        if call.kind == "product" and len(call.inputs) == 2:
+            call.gates = tuple(factor in self.gate_kinds for factor in call.factors)
         own = self.own_rule(module)
         if own is not None:
             return own, f"set as .rule on module '{name or '<root>'}'"
@@ -118,6 +128,10 @@ class Composite:
             return self.dense
         if kind in ("sum", "norm", "batchnorm"):
             return self._linear
+        if kind == "softmax":
+            return self._softmax
+        if kind == "attention":
+            return self.attention
         if kind == "product" and len(call.inputs) == 2:
             return self._gated if self._gated.accepts(call) else self._uniform
         if kind in ("elementwise", "product"):
@@ -187,6 +201,44 @@ class EpsilonGammaBox(Composite):
                          first={"conv": rules.ZBox(low, high, stabilizer=epsilon)}, **kwargs)
 
 
+class AttnLRP(Composite):
+    """AttnLRP (Achtibat et al. 2024) for transformers, text or vision.
+
+    LRP-0 on linear maps and sums (no stabiliser; biases absorb their share),
+    identity on elementwise nonlinearities and on normalisation statistics,
+    uniform split on products of two activations (``q @ k``, ``attn @ v``,
+    ``act(gate) * up``), the softmax rule ``R_x = x * (R - s * sum R)``.
+
+    Parameters
+    ----------
+    gamma : float, optional
+        Use Gamma(gamma) on linear and convolution layers instead (for vision
+        transformers).
+    epsilon : float
+        Stabiliser of products and sums; 0 gives exact LRP-0 (divisions by 0 give 0).
+    """
+
+    def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs):
+        linear = rules.Gamma(gamma, stabilizer=epsilon) if gamma is not None else rules.Epsilon(epsilon)
+        self.gamma = gamma
+        super().__init__(epsilon, conv=linear, dense=linear, **kwargs)
+
+
+class CPLRP(AttnLRP):
+    """CP-LRP (Ali et al. 2022): like :class:`AttnLRP`, but no relevance through attention weights or gates.
+
+    Attention weights, softmax outputs and activations that gate a product
+    (``act(gate) * up``) are held constant: relevance flows only through the
+    values and the gated signal. On a bias-free model it conserves exactly.
+    """
+
+    gate_kinds = frozenset({"sigmoid", "statistic", "divisor", "activation", "softmax"})
+
+    def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs):
+        super().__init__(gamma, epsilon, **kwargs)
+        self.attention = self._gated
+
+
 #: Preset names (zennit's, with dashes) and their classes.
 PRESETS: dict[str, type[Composite]] = {
     "epsilon": Epsilon,
@@ -195,6 +247,8 @@ PRESETS: dict[str, type[Composite]] = {
     "epsilon-alpha2-beta1": EpsilonAlpha2Beta1,
     "epsilon-alpha2-beta1-flat": EpsilonAlpha2Beta1Flat,
     "epsilon-gamma-box": EpsilonGammaBox,
+    "attnlrp": AttnLRP,
+    "cp-lrp": CPLRP,
 }
 
 

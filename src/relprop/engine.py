@@ -10,6 +10,8 @@ every module's training flag is as before, also when the forward raises.
 """
 from __future__ import annotations
 
+import functools
+import re
 import threading
 import warnings
 from collections.abc import Iterator
@@ -22,8 +24,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import rules
-from .graph import OpCall, is_relevance_node, propagate, tap, watch
-from .ops import HANDLERS, has_activation, op_name
+from .graph import OpCall, is_activation, is_relevance_node, propagate, tap, watch
+from .ops import ALWAYS_HANDLED, HANDLERS, has_activation, op_name
 
 __all__ = ["Session", "RuleError", "UnsupportedOpError", "UnhandledOpWarning"]
 
@@ -46,18 +48,25 @@ _current = threading.local()
 _FIRST_LAYER_SEARCH = 256
 
 
-def _detach_parameters(values: tuple) -> tuple:
-    """Parameters enter ops as constants: relevance never flows into them, and they get no gradient buffers."""
-    if not any(isinstance(v, (nn.Parameter, list, tuple)) for v in values):
-        return values
-    out = []
-    for value in values:
-        if isinstance(value, nn.Parameter):
-            value = value.detach()
-        elif type(value) in (list, tuple) and any(isinstance(v, nn.Parameter) for v in value):
-            value = type(value)(v.detach() if isinstance(v, nn.Parameter) else v for v in value)
-        out.append(value)
-    return tuple(out)
+def _stored(x: Tensor, value: Tensor) -> Tensor:
+    """The op of an activation module: its output was computed by the module itself."""
+    return value
+
+
+_ACTIVATION_NAME = re.compile(r"(Activation|GELU|Gelu|GeLU|SiLU|Swish|Mish)\w*$")
+
+
+@functools.cache
+def _is_activation_class(cls: type) -> bool:
+    return bool(_ACTIVATION_NAME.search(cls.__name__)) and not cls.__module__.startswith("torch.")
+
+
+def _is_activation_module(module: nn.Module) -> bool:
+    """Activation modules of other libraries (Hugging Face's ``NewGELUActivation``) are treated as one op.
+
+    Recognised by name, and only if they are leaves without parameters (not ``Conv2dNormActivation``).
+    """
+    return (_is_activation_class(type(module)) and not module._modules and not module._parameters)
 
 
 class _Unhandled(rules.Gradient):
@@ -95,18 +104,23 @@ class Session(TorchFunctionMode):
         propagation (see :mod:`relprop.audit`).
     """
 
-    def __init__(self, model: nn.Module, composite, strict: bool = False, taps=None, audit=None):
+    def __init__(self, model: nn.Module, composite, strict: bool = False, taps=None, audit=None,
+                 token_inputs: tuple[Tensor, ...] = ()):
         super().__init__()
         self.composite = composite
         self.strict = strict
         self.audit = audit
         self._taps = dict(taps or {})
+        self._token_inputs = token_inputs
+        #: index of an integer model input -> leaves of its embedded vectors (relevance collects there)
+        self.embeddings: dict[int, list[Tensor]] = {}
+        self._opaque = 0  # depth inside activation modules run as one elementwise op
         self._names = {module: name for name, module in model.named_modules()}
         self._stack: list[nn.Module] = []
         #: output tensor -> the op call that produced it
         self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        #: tensors produced by sigmoid-type activations
-        self.gates: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: tensors tagged with what produced them ("sigmoid", "activation", "statistic", "softmax")
+        self.tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: tap output -> its record (so that a BatchNorm merged across a tap keeps it)
         self.tapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.unhandled: list[str] = []
@@ -131,6 +145,8 @@ class Session(TorchFunctionMode):
         if getattr(_current, "session", None) is not self:
             return None
         self._stack.append(module)
+        if self._opaque or _is_activation_module(module):
+            self._opaque += 1
         tapper = self._taps.get(module)
         if tapper is not None and tapper.input:
             return tapper(self, args)
@@ -139,11 +155,39 @@ class Session(TorchFunctionMode):
     def _exit_module(self, module: nn.Module, args: Any, output: Any) -> Any:
         if getattr(_current, "session", None) is not self or not self._stack or self._stack[-1] is not module:
             return None
+        if self._opaque:
+            self._opaque -= 1
+            if not self._opaque and output is not None:
+                output = self._activation_module(module, args, output)
         self._stack.pop()
         tapper = self._taps.get(module)
         if tapper is not None and not tapper.input and output is not None:
             return tapper(self, output)
-        return None
+        return output
+
+    def _activation_module(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """An activation module written as several ops (GPT-2's tanh GELU): one elementwise op, identity rule."""
+        x = args[0] if len(args) == 1 else None
+        if not any(is_activation(a) for a in args):
+            return output  # constants in, constant out
+        if not (is_activation(x) and isinstance(output, Tensor) and output.shape == x.shape):
+            raise RuntimeError(f"relprop: activation module '{self.module_name}' ({type(module).__name__}) must map "
+                               "one tensor to one tensor of the same shape")
+        value = output.detach()
+        call = OpCall("elementwise", _stored, (x, value), {}, type(module).__name__, self.module_name)
+        out = self.run(call)
+        self.tags[out] = "activation"
+        return out
+
+    def token_embedding(self, ids: Any, vectors: Tensor) -> Tensor:
+        """Embedded vectors of an integer model input become leaves that collect its tokens' relevance."""
+        for index, tokens in enumerate(self._token_inputs):
+            if (isinstance(ids, Tensor) and ids.numel() == tokens.numel() and ids.device == tokens.device
+                    and ids.untyped_storage().data_ptr() == tokens.untyped_storage().data_ptr()):
+                leaf = vectors.detach().requires_grad_()
+                self.embeddings.setdefault(index, []).append(leaf)
+                return leaf.clone()  # not the leaf itself, so that in-place ops on the embeddings are allowed
+        return vectors
 
     def tap(self, value: Any, record) -> Any:
         """Put a tap node on ``value`` that hands the relevance reaching it to ``record``.
@@ -151,7 +195,7 @@ class Session(TorchFunctionMode):
         ``record.below`` is set to the tapped tensor, the start of the graph
         below the tap. The tap is transparent to BatchNorm merging.
         """
-        if not isinstance(value, Tensor) or not value.requires_grad:
+        if not is_activation(value):
             return value
         record.below = value
         out = tap(value, record)
@@ -198,8 +242,8 @@ class Session(TorchFunctionMode):
             node = stack.pop()
             if is_relevance_node(node) or len(seen) > _FIRST_LAYER_SEARCH:
                 return False
-            if not node.next_functions and hasattr(node, "variable"):
-                reached = True
+            if not node.next_functions and is_activation(getattr(node, "variable", None)):
+                reached = True  # a model input (parameters are leaves too, but not inputs)
             for parent, _ in node.next_functions:
                 if parent is not None and id(parent) not in seen:
                     seen.add(id(parent))
@@ -236,7 +280,7 @@ class Session(TorchFunctionMode):
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in call.inputs]
             out = call._call(func, leaves)
-        if isinstance(out, Tensor) and out.requires_grad:
+        if is_activation(out):
             call.keep_graph(leaves, out)
             return self.run(call, rule=_Unhandled(self))
         if not isinstance(out, (tuple, list)) or not any(isinstance(o, Tensor) and o.requires_grad for o in out):
@@ -257,9 +301,13 @@ class Session(TorchFunctionMode):
     # ------------------------------------------------------------ the mode
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        args = _detach_parameters(args)
-        kwargs = dict(zip(kwargs, _detach_parameters(tuple(kwargs.values())))) if kwargs else {}
+        kwargs = kwargs or {}
         handler = HANDLERS.get(func)
+        if self._opaque or (handler not in ALWAYS_HANDLED and not has_activation(args, kwargs)):
+            # no activation in: a constant out (also what is computed from parameters alone); inside an
+            # activation module, its output becomes one op in the exit hook
+            with torch.no_grad():
+                return func(*args, **kwargs)
         try:
             if handler is None:
                 return self.unknown(func, args, kwargs)

@@ -18,11 +18,13 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["OpCall", "ParametricCall", "propagate", "watch", "tap", "is_relevance_node"]
+__all__ = ["OpCall", "ParametricCall", "is_activation", "propagate", "watch", "tap", "substitute",
+           "is_relevance_node"]
 
 
-def _is_activation(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.requires_grad
+def is_activation(value: Any) -> bool:
+    """An activation: a tensor derived from a model input. Parameters are constants."""
+    return isinstance(value, Tensor) and value.requires_grad and not isinstance(value, torch.nn.Parameter)
 
 
 class OpCall:
@@ -61,7 +63,7 @@ class OpCall:
         else:  # the common case, flat positional arguments: no pytree needed
             leaves, self._spec = list(args), None
         self._leaves = leaves
-        self._slots = [i for i, leaf in enumerate(leaves) if _is_activation(leaf)]
+        self._slots = [i for i, leaf in enumerate(leaves) if is_activation(leaf)]
         self.inputs: tuple[Tensor, ...] = tuple(leaves[i].detach() for i in self._slots)
         self.output: Tensor | None = None
         self._graph: tuple[list[Tensor], Tensor] | None = None
@@ -96,7 +98,9 @@ class OpCall:
                 self._graph = (leaves, self._call(self._linearised, leaves))
         if self._graph is not None and self._linearised is self.func:
             return self._graph[1].detach()
-        return self._call(self.func, self.inputs)
+        # the model's own tensors (activations flagged requires_grad, parameters as they are): some kernels
+        # choose their algorithm by those flags, and the output must be bitwise the plain model's
+        return self._call(self.func, self.activations)
 
     def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
         """Vector-Jacobian product of the op with respect to :attr:`inputs`."""
@@ -267,6 +271,23 @@ class _Tap(torch.autograd.Function):
     def backward(ctx, relevance: Tensor):
         changed = ctx.record(relevance)
         return None, relevance if changed is None else changed
+
+
+class _Substitute(torch.autograd.Function):
+    """``value`` in the forward pass, ``source``'s graph in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, value: Tensor, source: Tensor) -> Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, relevance: Tensor):
+        return None, relevance
+
+
+def substitute(value: Tensor, source: Tensor) -> Tensor:
+    """A tensor equal to ``value`` (bitwise) whose relevance flows into ``source``, an equivalent computation."""
+    return _Substitute.apply(value.detach(), source)
 
 
 def tap(value: Tensor, record: Callable[[Tensor], Tensor | None]) -> Tensor:

@@ -28,7 +28,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from .attribution import LRP, Target, _as_tuple, output_relevance
+from .attribution import LRP, Target, output_relevance
+from .graph import is_activation
 
 __all__ = ["LayerLRP", "ModuleRelevance", "module_relevance"]
 
@@ -65,7 +66,7 @@ class _Tapper:
         records: list[_Record | None] = []
 
         def tap_one(item):
-            if isinstance(item, Tensor) and item.requires_grad:
+            if is_activation(item):
                 record = _Record(self.reduce)
                 records.append(record)
                 return session.tap(item, record)
@@ -149,11 +150,10 @@ class LayerLRP:
     def _run(self, inputs, target, additional_forward_args, attribute_to_layer_input, reduce=None):
         tappers = [_Tapper(attribute_to_layer_input, reduce) for _ in self.layers]
         with torch.inference_mode(False):
-            leaves, logits = self.lrp.forward(inputs, additional_forward_args,
-                                              taps=dict(zip(self.layers, tappers)))
-            seed = output_relevance(logits, target)
-            _backward_to_taps(logits, seed, tappers)
-        return leaves, seed, tappers
+            explained = self.lrp.forward(inputs, additional_forward_args, taps=dict(zip(self.layers, tappers)))
+            seed = output_relevance(explained.logits, target)
+            _backward_to_taps(explained.logits, seed, tappers)
+        return seed, tappers
 
     def attribute(self, inputs: Tensor | Sequence[Tensor], target: Target = None,
                   additional_forward_args: Any = None, return_convergence_delta: bool = False,
@@ -168,7 +168,7 @@ class LayerLRP:
         ``return_convergence_delta``, also ``seed total - layer relevance total``
         per example (per layer, per call).
         """
-        _, seed, tappers = self._run(inputs, target, additional_forward_args, attribute_to_layer_input)
+        seed, tappers = self._run(inputs, target, additional_forward_args, attribute_to_layer_input)
         results = [_one_or_list(tapper.results()) for tapper in tappers]
         result = results if self._many else results[0]
         if not return_convergence_delta:
@@ -185,7 +185,7 @@ class LayerLRP:
         or for a batch after ``.sum(0)``.
         """
         self._single_layer()
-        _, _, (tapper,) = self._run(inputs, target, additional_forward_args, False,
+        _, (tapper,) = self._run(inputs, target, additional_forward_args, False,
                                     reduce=lambda r: r.sum(tuple(range(2, r.dim()))))
         return _one_or_list(tapper.results())
 
@@ -214,10 +214,12 @@ class LayerLRP:
         repeated = inputs.repeat(count, *[1] * (inputs.dim() - 1))
         tapper = _Tapper(input=False)
         with torch.inference_mode(False):
-            (leaf,), logits = self.lrp.forward(repeated, additional_forward_args, taps={layer: tapper})
+            explained = self.lrp.forward(repeated, additional_forward_args, taps={layer: tapper})
+            (leaf,) = explained.inputs
             if len(tapper.calls) != 1:
                 raise ValueError(f"relprop: conditioning needs a layer that runs once, "
                                  f"it ran {len(tapper.calls)} times")
+            logits = explained.logits
             _backward_to_taps(logits, output_relevance(logits, _repeat_target(target, count)), [tapper])
             (record,) = tapper.records()
             relevance = record.value()
@@ -288,9 +290,6 @@ def module_relevance(model: nn.Module, inputs: Tensor | Sequence[Tensor], target
                if name and any(fnmatchcase(name, pattern) for pattern in patterns)}
     by_module = {model.get_submodule(name): tapper for name, tapper in tappers.items()}
     with torch.inference_mode(False):
-        leaves, logits = lrp.forward(inputs, additional_forward_args, taps=by_module)
-        seed = output_relevance(logits, target)
-        explained = [x for x in leaves if x.requires_grad]
-        grads = torch.autograd.grad(logits, explained, seed, allow_unused=True)
-    relevance = tuple(g if g is not None else torch.zeros_like(x) for g, x in zip(grads, explained))
+        explained = lrp.forward(inputs, additional_forward_args, taps=by_module)
+        relevance = explained.relevance(output_relevance(explained.logits, target))
     return ModuleRelevance(tappers, relevance)

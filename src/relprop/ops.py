@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .graph import OpCall, ParametricCall
+from .graph import OpCall, ParametricCall, is_activation, substitute
+from .rules import inverse_denominator
 
-__all__ = ["HANDLERS", "has_activation", "op_name"]
+__all__ = ["HANDLERS", "ALWAYS_HANDLED", "has_activation", "op_name"]
 
 Handler = Callable[[Any, Callable, tuple, dict], Any]
 
@@ -37,16 +39,12 @@ def op_name(func: Callable) -> str:
     return f"{getattr(func, '__module__', None) or 'torch'}.{name}"
 
 
-def _is_activation(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.requires_grad
-
-
 def has_activation(args: tuple, kwargs: dict) -> bool:
-    """Whether any argument (or element of a list argument) is an activation: a tensor that requires grad."""
+    """Whether any argument (or element of a list argument) is an activation."""
     for value in (*args, *kwargs.values()):
-        if _is_activation(value):
+        if is_activation(value):
             return True
-        if isinstance(value, (list, tuple)) and any(_is_activation(v) for v in value):
+        if isinstance(value, (list, tuple)) and any(is_activation(v) for v in value):
             return True
     return False
 
@@ -68,8 +66,17 @@ def _bind(func: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
 # ---------------------------------------------------------------- routing
 
 def _run(session, func, args, kwargs):
-    """Routing ops and constants: the plain gradient re-routes relevance exactly."""
-    return func(*args, **kwargs)
+    """Routing ops and constants: the plain gradient re-routes relevance exactly.
+
+    A tag of the first argument (gate, attention weights) carries over: a
+    reshaped or cast gate is still a gate.
+    """
+    out = func(*args, **kwargs)
+    if args and isinstance(out, Tensor) and isinstance(args[0], Tensor) and out.requires_grad:
+        tag = session.tags.get(args[0])
+        if tag is not None:
+            session.tags[out] = tag
+    return out
 
 
 def _run_in_place(session, func, args, kwargs):
@@ -106,7 +113,7 @@ def _with_inplace_flag(handler: Handler) -> Handler:
             return handler(session, func, args, kwargs)
         bound["inplace"] = False
         target = next(iter(bound.values()))
-        if not _is_activation(target):
+        if not is_activation(target):
             return func(*args, **kwargs)
         session.protect(target)  # elementwise rules keep nothing of their input: no copy needed
         return target.copy_(handler(session, func, (), bound))
@@ -146,12 +153,12 @@ def _parametric(kind: str, names: tuple[str, ...]) -> Handler:
 
     def handle(session, func, args, kwargs):
         bound = _bind_builtin(names, args, kwargs)
-        x, weight, bias = bound.get("input"), bound.get("weight"), bound.get("bias")
-        if not _is_activation(x):
+        x, original_weight, original_bias = bound.get("input"), bound.get("weight"), bound.get("bias")
+        if not is_activation(x):
             return func(*args, **kwargs)
-        # weights computed from the input are held constant: relevance flows to the data input only
-        weight = weight.detach()
-        bias = bias.detach() if bias is not None else None
+        # rules see constants; weights computed from the input count as constants too
+        weight = original_weight.detach()
+        bias = original_bias.detach() if original_bias is not None else None
         options = {key: value for key, value in bound.items() if key not in _LINEAR}
 
         def evaluate(inp, w, b):
@@ -164,11 +171,36 @@ def _parametric(kind: str, names: tuple[str, ...]) -> Handler:
             # a merged BatchNorm scales the weight's output-channel dimension: 1 for transposed
             # convolutions, which holds output channels only for groups == 1
             channel_dim = (1 if options.get("groups", 1) == 1 else None) if transposed else 0
-        call = ParametricCall(kind, func, (x, weight, bias), options, op_name(func), session.module_name,
-                              weight, bias, evaluate, channel_dim, transpose)
+        # the forward value comes from the model's own parameters: some kernels choose by requires_grad
+        call = ParametricCall(kind, func, (x, _constant(original_weight), _constant(original_bias)), options,
+                              op_name(func), session.module_name, weight, bias, evaluate, channel_dim, transpose)
         call.is_first = session.fed_by_input(x)
         return session.run(call)
     return handle
+
+
+def _addmm(session, func, args, kwargs):
+    """``addmm(bias, x, W)`` with a constant ``W`` (in x out), as Hugging Face's ``Conv1D`` writes a dense layer."""
+    bound = _bind_builtin(("input", "mat1", "mat2"), args, kwargs)
+    bias, x, weight = bound.get("input"), bound.get("mat1"), bound.get("mat2")
+    if is_activation(weight) or is_activation(bias) or set(bound) - {"input", "mat1", "mat2"}:
+        return _product(matrix=True)(session, func, args, kwargs)
+    if not is_activation(x):
+        return func(*args, **kwargs)
+
+    def evaluate(inp, w, b):
+        return inp @ w if b is None else torch.addmm(b, inp, w)
+
+    constants = (weight.detach(), bias.detach() if bias is not None else None)
+    call = ParametricCall("dense", func, (bias, x, weight), {}, op_name(func), session.module_name,
+                          *constants, evaluate, 1, lambda grad: grad @ constants[0].T)
+    call.is_first = session.fed_by_input(x)
+    return session.run(call)
+
+
+def _constant(value: Any) -> Any:
+    """``value`` as a constant of an op: activations detached, parameters and others as they are."""
+    return value.detach() if is_activation(value) else value
 
 
 def _bind_builtin(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -184,7 +216,7 @@ def _batch_norm(session, func, args, kwargs):
     """BatchNorm: merged into the conv/dense op that produced its input, else an affine map."""
     bound = _bind(F.batch_norm, args, kwargs)
     x = bound["input"]
-    if not _is_activation(x):
+    if not is_activation(x):
         return func(*args, **kwargs)
     producer = session.producers.get(x)
     mean, var = bound["running_mean"], bound["running_var"]
@@ -255,8 +287,13 @@ def _rms_norm(input, normalized_shape, weight=None, eps=None):
 
 # ---------------------------------------------------------------- elementwise
 
-def _elementwise(gate: bool = False) -> Handler:
-    """Elementwise nonlinearities: identity rule by default; sigmoid outputs are marked as gates."""
+def _elementwise(tag: str | None = None) -> Handler:
+    """Elementwise nonlinearities: identity rule by default.
+
+    ``tag`` marks what the output is, for products it later takes part in:
+    ``"sigmoid"`` (a gate), ``"activation"`` (gated MLPs: a gate for CP-LRP)
+    or ``"statistic"`` (``rsqrt`` of a variance: a constant scaling).
+    """
     def handle(session, func, args, kwargs):
         if not has_activation(args, kwargs):
             return func(*args, **kwargs)
@@ -264,8 +301,8 @@ def _elementwise(gate: bool = False) -> Handler:
         if len(call.inputs) != 1:
             return session.unknown(func, args, kwargs)
         out = session.run(call)
-        if gate:
-            session.gates[out] = True
+        if tag is not None:
+            session.tags[out] = tag
         return out
     return handle
 
@@ -283,17 +320,144 @@ def _product(matrix: bool, divide: bool = False) -> Handler:
     def handle(session, func, args, kwargs):
         if not has_activation(args, kwargs):
             return func(*args, **kwargs)
-        kind = "product"
-        call = OpCall(kind, func, args, kwargs, op_name(func), session.module_name)
+        call = OpCall("product", func, args, kwargs, op_name(func), session.module_name)
+        call.matrix = matrix
         if len(call.inputs) == 1 and matrix:
             call.kind = "sum"
         elif len(call.inputs) == 2:
             first, second = call.activations
-            call.gates = (False, True) if divide else (first in session.gates, second in session.gates)
+            call.factors = (None, "divisor") if divide else (session.tags.get(first), session.tags.get(second))
         elif len(call.inputs) > 2:
             return session.unknown(func, args, kwargs)
         return session.run(call)
     return handle
+
+
+# ---------------------------------------------------------------- softmax and attention
+
+def _softmax(names: tuple[str, ...] | None) -> Handler:
+    """Softmax inside the model; its output is tagged, so that CP-LRP can hold attention weights constant."""
+    def handle(session, func, args, kwargs):
+        if not has_activation(args, kwargs):
+            return func(*args, **kwargs)
+        bound = _bind(func, args, kwargs) if names is None else _bind_builtin(names, args, kwargs)
+        call = OpCall("softmax", func, args, kwargs, op_name(func), session.module_name)
+        if len(call.inputs) != 1 or bound.get("dim") is None:
+            return session.unknown(func, args, kwargs)
+        call.dim = bound["dim"]
+        out = session.run(call)
+        session.tags[out] = "softmax"
+        return out
+    return handle
+
+
+_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class AttentionCall(OpCall):
+    """``F.scaled_dot_product_attention``, decomposed for its rule in the backward pass.
+
+    The forward output is the fused kernel's. In the backward pass the
+    attention is recomputed as ``softmax(q k^T * scale + mask) @ v`` (with
+    ``is_causal`` and grouped-query heads) and relevance is split over its
+    two matrix products and its softmax.
+    """
+
+    def __init__(self, func, args, kwargs, module_name):
+        super().__init__("attention", func, args, kwargs, op_name(func), module_name)
+        bound = _bind_builtin(_SDPA, args, kwargs)
+        self._parts = {key: bound.get(key) for key in _SDPA}
+        self._roles = [key for key in ("query", "key", "value") if is_activation(bound.get(key))]
+
+    def _needs_graph(self) -> bool:
+        return False
+
+    def attention_relevance(self, relevance: Tensor, epsilon: float, values_only: bool):
+        parts = self._parts
+        q, k, v = (parts[key].detach() for key in ("query", "key", "value"))
+        groups = q.shape[-3] // k.shape[-3] if parts["enable_gqa"] else 1
+        k_, v_ = (k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)) if groups > 1 else (k, v)
+        scale = parts["scale"] if parts["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+        scores = (q @ k_.transpose(-2, -1)) * scale
+        mask = parts["attn_mask"]
+        if parts["is_causal"]:
+            causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~causal, -math.inf)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+        weights = torch.softmax(scores, -1)
+        scaled = relevance * inverse_denominator(weights @ v_, epsilon)
+        share = 1.0 if values_only else 0.5
+        found = {"value": share * v_ * (weights.transpose(-2, -1) @ scaled)}
+        if not values_only:
+            r_weights = 0.5 * weights * (scaled @ v_.transpose(-2, -1))
+            # softmax rule, then the scale and the mask as constants: relevance per score over q k^T
+            taylor = scale * (r_weights - weights * r_weights.sum(-1, keepdim=True))
+            found["query"] = 0.5 * q * (taylor @ k_)
+            found["key"] = 0.5 * k_ * (taylor.transpose(-2, -1) @ q)
+        if groups > 1:
+            for key in ("key", "value"):
+                if key in found:
+                    found[key] = found[key].unflatten(-3, (k.shape[-3], groups)).sum(-3)
+        return tuple(found.get(role) for role in self._roles)
+
+
+def _attention(session, func, args, kwargs):
+    if not has_activation(args, kwargs):
+        return func(*args, **kwargs)
+    return session.run(AttentionCall(func, args, kwargs, session.module_name))
+
+
+def _multi_head_attention(session, func, args, kwargs):
+    """``nn.MultiheadAttention``: the native output, relevance through its decomposition into rule-bearing ops."""
+    bound = _bind(func, args, kwargs)
+    if (not has_activation(args, kwargs) or bound["bias_k"] is not None or bound["add_zero_attn"]
+            or bound["static_k"] is not None or bound["static_v"] is not None):
+        return session.unknown(func, args, kwargs)
+    output, weights = func(*args, **kwargs)
+    with session:  # back in the mode: each op of the decomposition gets its rule
+        decomposed = _decomposed_attention(**bound)
+    return substitute(output, decomposed), weights
+
+
+def _decomposed_attention(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias,
+                          out_proj_weight, out_proj_bias, key_padding_mask=None, attn_mask=None,
+                          use_separate_proj_weight=False, q_proj_weight=None, k_proj_weight=None,
+                          v_proj_weight=None, is_causal=False, **_):
+    """``F.multi_head_attention_forward`` (sequence first, no dropout) as linear maps around fused attention."""
+    weights = (q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight else in_proj_weight.chunk(3)
+    biases = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
+    length, batch, width = query.shape
+    head = width // num_heads
+
+    def heads(t: Tensor) -> Tensor:  # (S, N, E) -> (N, H, S, d)
+        return t.reshape(t.shape[0], batch, num_heads, head).permute(1, 2, 0, 3)
+
+    q, k, v = (heads(F.linear(t, w, b)) for t, w, b in zip((query, key, value), weights, biases))
+    mask = None
+    if attn_mask is not None:  # MultiheadAttention: True = not attended; a float mask is added
+        mask = attn_mask.reshape(-1, num_heads, *attn_mask.shape[-2:]) if attn_mask.dim() == 3 else attn_mask
+        mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(mask, -math.inf) if mask.dtype == torch.bool \
+            else mask
+    if key_padding_mask is not None:
+        padding = key_padding_mask.reshape(batch, 1, 1, -1)
+        padding = torch.zeros(padding.shape, dtype=q.dtype).masked_fill(padding, -math.inf) \
+            if padding.dtype == torch.bool else padding
+        mask = padding if mask is None else mask + padding
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None)
+    return F.linear(out.permute(2, 0, 1, 3).reshape(length, batch, width), out_proj_weight, out_proj_bias)
+
+
+# ---------------------------------------------------------------- embeddings
+
+def _embedding(session, func, args, kwargs):
+    """A lookup of the model's integer input: its vectors collect the relevance of those tokens."""
+    bound = _bind(func, args, kwargs)
+    if is_activation(bound["weight"]):
+        return session.unknown(func, args, kwargs)
+    with torch.no_grad():  # a lookup in a parameter table: constant, unless it embeds the model's input
+        out = func(*args, **kwargs)
+    return session.token_embedding(bound["input"], out)
 
 
 # ---------------------------------------------------------------- max pooling
@@ -359,7 +523,7 @@ _register(
     _lookup(_T, _ROUTING + " view view_as reshape_as expand expand_as repeat contiguous to float double half "
                 "bfloat16 type type_as cpu cuda __getitem__ unfold as_strided"),
     _lookup(F, "pad dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout pixel_shuffle "
-               "pixel_unshuffle channel_shuffle unfold fold embedding max_pool1d_with_indices "
+               "pixel_unshuffle channel_shuffle unfold fold max_pool1d_with_indices "
                "max_pool2d_with_indices max_pool3d_with_indices"),
     [_T.T.__get__, _T.mT.__get__, _T.data.__get__],
 )
@@ -377,6 +541,7 @@ _register(_run_in_place, _lookup(_T, "__setitem__ masked_fill_ copy_ zero_ fill_
 _register(_parametric("conv", _CONV), _lookup(torch, "conv1d conv2d conv3d"))
 _register(_parametric("conv", _CONV_TRANSPOSE), _lookup(torch, "conv_transpose1d conv_transpose2d conv_transpose3d"))
 _register(_parametric("dense", _LINEAR), [F.linear])
+_register(_addmm, [torch.addmm, _T.addmm])
 _register(_batch_norm, [F.batch_norm])
 
 _SUMS = "add sub rsub sum mean nansum cumsum __radd__ __rsub__"
@@ -393,22 +558,26 @@ _register(_linear("norm", _group_norm), [F.group_norm])
 if hasattr(F, "rms_norm"):
     _register(_linear("norm", _rms_norm), [F.rms_norm])
 
-_ELEMENTWISE = ("relu exp exp2 expm1 log log1p log2 sqrt rsqrt abs neg negative square reciprocal pow clamp clip "
-                "sin cos erf tanh __neg__ __pow__ __abs__")
+_ELEMENTWISE = ("exp exp2 expm1 log log1p log2 sqrt abs neg negative square reciprocal pow clamp clip "
+                "sin cos erf __neg__ __pow__ __abs__")
+_ACTIVATIONS = "relu tanh"
 _elementwise_pass = _elementwise()
-_register(_elementwise_pass, _lookup(torch, _ELEMENTWISE), _lookup(_T, _ELEMENTWISE),
-          _lookup(F, "gelu softplus logsigmoid softsign tanhshrink prelu normalize tanh"))
-_register(_with_inplace_flag(_elementwise_pass),
+_activation = _elementwise("activation")
+_register(_elementwise_pass, _lookup(torch, _ELEMENTWISE), _lookup(_T, _ELEMENTWISE), _lookup(F, "normalize"))
+_register(_activation, _lookup(torch, _ACTIVATIONS), _lookup(_T, _ACTIVATIONS),
+          _lookup(F, "gelu softplus logsigmoid softsign tanhshrink prelu tanh"))
+_register(_with_inplace_flag(_activation),
           _lookup(F, "relu relu6 hardtanh leaky_relu elu selu celu silu mish hardswish rrelu threshold"))
-_register(_elementwise(gate=True), _lookup(torch, "sigmoid"), _lookup(_T, "sigmoid"), [F.sigmoid])
-_register(_with_inplace_flag(_elementwise(gate=True)), [F.hardsigmoid])
+_register(_elementwise("statistic"), _lookup(torch, "rsqrt"), _lookup(_T, "rsqrt"))
+_register(_elementwise("sigmoid"), _lookup(torch, "sigmoid"), _lookup(_T, "sigmoid"), [F.sigmoid])
+_register(_with_inplace_flag(_elementwise("sigmoid")), [F.hardsigmoid])
 for _name in "relu exp sqrt rsqrt abs neg reciprocal pow clamp clip tanh".split():
     _register(_in_place(getattr(_T, _name), _elementwise_pass, keeps_input=False),
               _lookup(_T, f"{_name}_"), _lookup(torch, f"{_name}_"))
-_register(_in_place(_T.sigmoid, _elementwise(gate=True), keeps_input=False),
+_register(_in_place(_T.sigmoid, _elementwise("sigmoid"), keeps_input=False),
           _lookup(_T, "sigmoid_"), _lookup(torch, "sigmoid_"))
 for _function in (F.relu, F.elu, F.leaky_relu, F.hardtanh):
-    _register(_in_place(_function, _elementwise_pass, keeps_input=False), _lookup(F, f"{_function.__name__}_"))
+    _register(_in_place(_function, _activation, keeps_input=False), _lookup(F, f"{_function.__name__}_"))
 
 _MUL, _DIV, _MATMUL = "mul multiply __rmul__", "div divide true_divide __rdiv__ __rtruediv__ __truediv__", \
     "matmul mm bmm einsum __matmul__ __rmatmul__"
@@ -417,6 +586,14 @@ _register(_product(matrix=False, divide=True), _lookup(torch, _DIV), _lookup(_T,
 _register(_product(matrix=True), _lookup(torch, _MATMUL), _lookup(_T, _MATMUL))
 _register(_in_place(_T.mul, _product(matrix=False)), _lookup(_T, "mul_ __imul__"))
 _register(_in_place(_T.div, _product(matrix=False, divide=True)), _lookup(_T, "div_ __itruediv__"))
+
+_register(_softmax(None), [F.softmax])
+_register(_softmax(("input", "dim", "dtype")), _lookup(torch, "softmax"), _lookup(_T, "softmax"))
+_register(_attention, [F.scaled_dot_product_attention])
+_register(_multi_head_attention, [F.multi_head_attention_forward])
+_register(_embedding, [F.embedding])
+#: handlers that run even without an activation among the arguments (a lookup of integer token ids)
+ALWAYS_HANDLED = frozenset({_embedding})
 
 for _dims in (1, 2, 3):
     _register(_max_pool(getattr(F, f"_max_pool{_dims}d"), _window_average(getattr(F, f"avg_pool{_dims}d"))),

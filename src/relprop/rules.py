@@ -37,7 +37,7 @@ from torch import Tensor
 
 __all__ = [
     "Rule", "Epsilon", "Norm", "BasicRule", "Term", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
-    "Flat", "WSquare", "Pass", "Gradient", "UniformProduct", "SignalTakesAll", "Proportional",
+    "Flat", "WSquare", "Pass", "Gradient", "UniformProduct", "SignalTakesAll", "Softmax", "Proportional",
     "denominator", "inverse_denominator", "LINEAR_KINDS", "PARAMETRIC_KINDS",
 ]
 
@@ -399,7 +399,7 @@ class Pass(Rule):
     to a shape-changing op such as a convolution with other channels.
     """
 
-    kinds = frozenset({"conv", "dense", "batchnorm", "sum", "norm", "elementwise", "product", "maxpool"})
+    kinds = frozenset({"conv", "dense", "batchnorm", "sum", "norm", "elementwise", "product", "maxpool", "softmax"})
 
     def accepts(self, call) -> bool:
         if call.kind not in self.kinds or len(call.inputs) != 1:
@@ -424,7 +424,8 @@ class Gradient(Rule):
     with a warning, for ops it has no rule for.
     """
 
-    kinds = frozenset({"conv", "dense", "batchnorm", "sum", "norm", "elementwise", "product", "maxpool", "unknown"})
+    kinds = frozenset({"conv", "dense", "batchnorm", "sum", "norm", "elementwise", "product", "maxpool", "softmax",
+                       "unknown"})
     needs_vjp = True
 
     def propagate(self, call, relevance):
@@ -435,37 +436,80 @@ class UniformProduct(Rule):
     """Products of activations (``a * b``, ``a @ b``): each of the k factors gets 1/k.
 
     ``R_i = (1/k) * x_i * VJP_i(R / (z + eps sign z))`` (the AttnLRP rule for
-    multiplicative interactions).
+    multiplicative interactions). On fused attention (``kind == "attention"``)
+    both matrix products are split this way and the softmax takes its
+    :class:`Softmax` rule, so that q and k share half and v gets half.
     """
 
-    kinds = frozenset({"product"})
+    kinds = frozenset({"product", "attention"})
     needs_vjp = True
 
     def __init__(self, epsilon: float = 1e-6):
         self.epsilon = epsilon
 
     def prepare(self, call) -> None:
-        call.inverse = inverse_denominator(call.output, self.epsilon) / len(call.inputs)
+        if call.kind == "product":
+            call.inverse = inverse_denominator(call.output, self.epsilon) / len(call.inputs)
 
     def propagate(self, call, relevance):
+        if call.kind == "attention":
+            return call.attention_relevance(relevance, self.epsilon, values_only=False)
         return tuple(None if c is None else x * c for x, c in zip(call.inputs, call.vjp(relevance * call.inverse)))
 
 
 class SignalTakesAll(Rule):
     """Gated products ``gate * signal``: the signal gets all relevance, the gate none.
 
-    The gate is the factor produced by a sigmoid-type activation (Arras et al.
-    2017 for LSTMs; squeeze-and-excitation blocks in CNNs).
+    Which factor is the gate the composite decides from what produced it: a
+    sigmoid (LSTM gates, Arras et al. 2017; squeeze-and-excitation), a
+    normalising statistic (``x * rsqrt(var)``), a divisor, and for CP-LRP
+    also attention weights and activations of gated MLPs. On fused attention
+    all relevance goes to the values (CP-LRP).
     """
 
-    kinds = frozenset({"product"})
+    kinds = frozenset({"product", "attention"})
+    needs_vjp = True  # for matrix products: the linear map of the signal, with the gate held constant
+
+    def __init__(self, epsilon: float = 1e-6):
+        self.epsilon = epsilon
 
     def accepts(self, call) -> bool:
+        if call.kind == "attention":
+            return True
         gates = getattr(call, "gates", ())
         return call.kind in self.kinds and len(call.inputs) == 2 and sum(gates) == 1
 
+    def prepare(self, call) -> None:
+        if getattr(call, "matrix", False):
+            call.inverse = inverse_denominator(call.output, self.epsilon)
+
     def propagate(self, call, relevance):
+        if call.kind == "attention":
+            return call.attention_relevance(relevance, self.epsilon, values_only=True)
+        if getattr(call, "matrix", False):  # attn @ v: epsilon rule of v's linear map
+            grads = call.vjp(relevance * call.inverse)
+            return tuple(None if gate else x * c for x, c, gate in zip(call.inputs, grads, call.gates))
+        # gate * signal elementwise: the signal's share is all of it
         return tuple(None if gate else _sum_to(relevance, x.shape) for x, gate in zip(call.inputs, call.gates))
+
+
+class Softmax(Rule):
+    """Softmax inside the model (AttnLRP): ``R_x = x * (R - s * sum(R))`` along the softmax dimension.
+
+    This equals Gradient x Input through the softmax. It is not conservative:
+    the softmax absorbs what its input's shift does not explain. Masked
+    entries (``x = -inf``) get 0, never NaN.
+    """
+
+    kinds = frozenset({"softmax"})
+    needs_output = True
+
+    def propagate(self, call, relevance):
+        (x,) = call.inputs
+        s = call.output
+        taylor = relevance.to(s.dtype) - s * relevance.to(s.dtype).sum(call.dim, keepdim=True)
+        out = torch.where(torch.isfinite(x), x * taylor.to(x.dtype), 0.0)
+        return (out,)
 
 
 class Proportional(Rule):
