@@ -1,10 +1,15 @@
 """Shared models and helpers for the test suite (float64, random weights, CPU)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from site-packages and configs, never a hub
 
 
 @pytest.fixture(autouse=True)

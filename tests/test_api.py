@@ -161,9 +161,9 @@ def test_wrong_input_shape_names_the_module():
 def test_bad_inputs_and_composites():
     with pytest.raises(TypeError, match="inputs must be"):
         relprop.LRP(residual_net()).attribute([1, 2], target=0)
-    with pytest.raises(ValueError, match="disagree on the batch size"):
-        relprop.LRP(TwoInputs()).attribute((torch.rand(2, 4), torch.rand(3, 3)), target=0,
-                                           additional_forward_args=(1.0,))
+    with pytest.raises(ValueError, match="needs every input batch first"):
+        relprop.LRP(TwoInputs().eval()).attribute((torch.rand(2, 4), torch.rand(3, 3)), target=0,
+                                                  additional_forward_args=(1.0, "none"), return_convergence_delta=True)
     with pytest.raises(ValueError, match="unknown preset 'epsilon-minus'.*epsilon-plus-flat"):
         relprop.LRP(residual_net(), "epsilon-minus")
     with pytest.raises(TypeError, match="torch.nn.Module"):

@@ -207,9 +207,6 @@ class LRP:
         inputs = _as_tuple(inputs)
         if not inputs or not all(isinstance(x, Tensor) for x in inputs):
             raise TypeError("relprop: inputs must be a tensor or a tuple of tensors")
-        if len({x.shape[0] if x.dim() else None for x in inputs}) > 1:
-            raise ValueError("relprop: inputs disagree on the batch size: "
-                             + ", ".join(str(tuple(x.shape)) for x in inputs))
         extra, keywords = _forward_arguments(additional_forward_args)
         leaves = tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs)
         tokens = tuple(x for x in leaves if not x.is_floating_point())
@@ -305,6 +302,10 @@ class ForwardPass:
 
 
 def convergence_delta(seed: Tensor, relevance: Sequence[Tensor]) -> Tensor:
-    """``seed total - relevance total`` per example."""
-    total = sum(r.reshape(r.shape[0], -1).sum(1) for r in relevance)
+    """``seed total - relevance total`` per example (every input batch first)."""
+    batch = seed.shape[0]
+    if any(r.shape[0] != batch for r in relevance):
+        raise ValueError("relprop: the convergence delta is per example and needs every input batch first; "
+                         f"got input shapes {[tuple(r.shape) for r in relevance]} for a batch of {batch}")
+    total = sum(r.reshape(batch, -1).sum(1) for r in relevance)
     return seed.reshape(seed.shape[0], -1).sum(1) - total

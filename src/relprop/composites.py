@@ -104,7 +104,7 @@ class Composite:
         None means winner-take-all (the plain gradient). The engine checks
         with ``rule.accepts`` that the rule can apply once the op has run.
         """
-        if call.kind == "product" and len(call.inputs) == 2:
+        if call.kind == "product":
             call.gates = tuple(factor in self.gate_kinds for factor in call.factors)
         own = self.own_rule(module)
         if own is not None:
@@ -132,8 +132,10 @@ class Composite:
             return self._softmax
         if kind == "attention":
             return self.attention
+        if kind == "product" and self._gated.accepts(call):
+            return self._gated
         if kind == "product" and len(call.inputs) == 2:
-            return self._gated if self._gated.accepts(call) else self._uniform
+            return self._uniform
         if kind in ("elementwise", "product"):
             return self._pass
         return None  # max pooling: winner-take-all

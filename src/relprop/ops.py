@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .graph import OpCall, ParametricCall, is_activation, substitute
+from .recurrent import RECURRENT_HANDLERS
 from .rules import inverse_denominator
 
 __all__ = ["HANDLERS", "ALWAYS_HANDLED", "has_activation", "op_name"]
@@ -322,13 +323,14 @@ def _product(matrix: bool, divide: bool = False) -> Handler:
             return func(*args, **kwargs)
         call = OpCall("product", func, args, kwargs, op_name(func), session.module_name)
         call.matrix = matrix
+        if len(call.inputs) > 2:
+            return session.unknown(func, args, kwargs)
         if len(call.inputs) == 1 and matrix:
             call.kind = "sum"
-        elif len(call.inputs) == 2:
-            first, second = call.activations
-            call.factors = (None, "divisor") if divide else (session.tags.get(first), session.tags.get(second))
-        elif len(call.inputs) > 2:
-            return session.unknown(func, args, kwargs)
+        elif divide:  # the divisor (the second argument) is a constant scaling of the numerator
+            call.factors = tuple("divisor" if a is args[1] else None for a in call.activations)
+        else:
+            call.factors = tuple(session.tags.get(a) for a in call.activations)
         return session.run(call)
     return handle
 
@@ -515,7 +517,8 @@ _ROUTING = (
     "moveaxis unbind roll flip fliplr flipud rot90 where masked_select masked_fill broadcast_to tile repeat_interleave "
     "diagonal tril triu max min amax amin maximum minimum fmax fmin sort topk kthvalue median clone detach "
     "constant_pad_nd dropout alpha_dropout feature_alpha_dropout feature_dropout channel_shuffle pixel_shuffle "
-    "pixel_unshuffle split_with_sizes ravel atleast_1d atleast_2d atleast_3d"
+    "pixel_unshuffle split_with_sizes ravel atleast_1d atleast_2d atleast_3d _pack_padded_sequence "
+    "_pad_packed_sequence"
 )
 _register(
     _run,
@@ -592,6 +595,8 @@ _register(_softmax(("input", "dim", "dtype")), _lookup(torch, "softmax"), _looku
 _register(_attention, [F.scaled_dot_product_attention])
 _register(_multi_head_attention, [F.multi_head_attention_forward])
 _register(_embedding, [F.embedding])
+for _func, _handler in RECURRENT_HANDLERS.items():
+    HANDLERS[_func] = _handler
 #: handlers that run even without an activation among the arguments (a lookup of integer token ids)
 ALWAYS_HANDLED = frozenset({_embedding})
 

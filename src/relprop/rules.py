@@ -474,10 +474,15 @@ class SignalTakesAll(Rule):
         self.epsilon = epsilon
 
     def accepts(self, call) -> bool:
+        """Fused attention, or a product with a gate and at most one other activation factor.
+
+        A gate times a constant (``r * b_hn`` at the first step of a GRU): the
+        relevance belongs to the constant, and is absorbed.
+        """
         if call.kind == "attention":
             return True
         gates = getattr(call, "gates", ())
-        return call.kind in self.kinds and len(call.inputs) == 2 and sum(gates) == 1
+        return call.kind in self.kinds and any(gates) and len(gates) - sum(gates) <= 1
 
     def prepare(self, call) -> None:
         if getattr(call, "matrix", False):
