@@ -214,11 +214,14 @@ class _Propagate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: OpCall, *activations: Tensor) -> Tensor:
         ctx.call = call
+        ctx.set_materialize_grads(False)  # no relevance arriving stays None: nothing to propagate or report
         return call.run()
 
     @staticmethod
-    def backward(ctx, relevance: Tensor):
+    def backward(ctx, relevance: Tensor | None):
         call = ctx.call
+        if relevance is None:
+            return (None,) * (1 + len(call.inputs))
         call.prepare()
         result = call.rule.propagate(call, relevance)
         if call.audit is not None:
