@@ -100,6 +100,43 @@ def time_all(name: str, batch: int, size: int, rounds: int, which: list[str]) ->
     return {key: statistics.median(values) for key, values in times.items()}
 
 
+def build_transformer(name: str):
+    """A Llama-style decoder or BERT-base from its config (random weights), and its target."""
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "llama":
+        config = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376,
+                                          num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8)
+        return transformers.LlamaForCausalLM(config).eval(), (-1, 42)
+    return transformers.BertForSequenceClassification(transformers.BertConfig()).eval(), 1
+
+
+def time_transformer(name: str, batch: int, length: int, rounds: int) -> dict[str, float]:
+    """Plain forward + backward to the input embeddings against AttnLRP / CP-LRP to the tokens."""
+    model, target = build_transformer(name)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length))
+
+    def gradient():
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+        logits = model(inputs_embeds=embeds).logits
+        torch.autograd.grad(logits, embeds, relprop.output_relevance(logits, target))
+
+    table = {"gradient": gradient}
+    for preset in ("attnlrp", "cp-lrp"):
+        lrp = relprop.LRP(model, preset)
+        table[f"relprop {preset}"] = lambda lrp=lrp: lrp.attribute(ids, target=target)
+    for run in table.values():
+        run()
+    times = {key: [] for key in table}
+    for _ in range(rounds):
+        for key, run in table.items():
+            start = time.perf_counter()
+            run()
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * resource.getpagesize() // 1024
@@ -127,7 +164,9 @@ def peak_memory(name: str, batch: int, size: int, key: str, which: list[str]) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["vgg16", "resnet50"])
+    parser.add_argument("--models", nargs="*", default=["vgg16", "resnet50"])
+    parser.add_argument("--transformers", nargs="*", default=["llama", "bert"],
+                        help="transformers timed at sequence length 128 (llama, bert)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=5)
@@ -159,6 +198,13 @@ def main() -> None:
                     peak = peak_memory(name, batch, args.size, key, args.which)
                     row += f" {peak:.0f} | {peak / memory_base:.2f} |"
                 print(row, flush=True)
+    for name in args.transformers:
+        for batch in args.batches:
+            times = time_transformer(name, batch, 128, args.rounds)
+            print(f"\n## {name} (from config), batch {batch}, 128 tokens\n")
+            print("| method | time (s) | x forward+backward |\n| --- | --- | --- |")
+            for key, seconds in times.items():
+                print(f"| {key} | {seconds:.3f} | {seconds / times['gradient']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

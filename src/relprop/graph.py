@@ -62,17 +62,31 @@ class OpCall:
             leaves, self._spec = tree_flatten((args, kwargs))
         else:  # the common case, flat positional arguments: no pytree needed
             leaves, self._spec = list(args), None
-        self._leaves = leaves
         self._slots = [i for i, leaf in enumerate(leaves) if is_activation(leaf)]
-        self.inputs: tuple[Tensor, ...] = tuple(leaves[i].detach() for i in self._slots)
+        self._outer: tuple[Tensor, ...] | None = tuple(leaves[i] for i in self._slots)
+        self.inputs: tuple[Tensor, ...] = tuple(x.detach() for x in self._outer)
+        for slot, value in zip(self._slots, self.inputs):
+            leaves[slot] = value
+        self._leaves = leaves
         self.output: Tensor | None = None
         self._graph: tuple[list[Tensor], Tensor] | None = None
         self._prepared = False
 
     @property
     def activations(self) -> tuple[Tensor, ...]:
-        """The activation inputs as the outer autograd graph knows them."""
-        return tuple(self._leaves[i] for i in self._slots)
+        """The activation inputs as the outer autograd graph knows them (until :meth:`release`)."""
+        if self._outer is None:
+            raise RuntimeError("relprop: the op call no longer holds the model's tensors")
+        return self._outer
+
+    def release(self) -> None:
+        """Drop the model's own tensors once the node exists: the backward pass needs only detached values.
+
+        Keeping them would close a reference cycle through the autograd graph
+        (node -> call -> input -> its later in-place op -> node) that Python's
+        garbage collector cannot see.
+        """
+        self._outer = None
 
     def _call(self, func: Callable, inputs) -> Tensor:
         leaves = list(self._leaves)
@@ -177,6 +191,9 @@ class ParametricCall(OpCall):
     def _needs_graph(self) -> bool:
         return self._transpose is None and super()._needs_graph()
 
+    def release(self) -> None:
+        """Keep the data input: a BatchNorm that follows builds its merged node on it."""
+
     def run(self) -> Tensor:
         if self._value is not None:  # a merged call: the output was computed by the BatchNorm itself
             value, self._value = self._value, None
@@ -234,6 +251,7 @@ def propagate(call: OpCall, rule) -> Tensor:
     call.rule = rule
     out = _Propagate.apply(call, *call.activations)
     call.output = out.detach()
+    call.release()
     return out
 
 

@@ -368,7 +368,7 @@ class AttentionCall(OpCall):
     def __init__(self, func, args, kwargs, module_name):
         super().__init__("attention", func, args, kwargs, op_name(func), module_name)
         bound = _bind_builtin(_SDPA, args, kwargs)
-        self._parts = {key: bound.get(key) for key in _SDPA}
+        self._parts = {key: _constant(bound.get(key)) for key in _SDPA}
         self._roles = [key for key in ("query", "key", "value") if is_activation(bound.get(key))]
 
     def _needs_graph(self) -> bool:
@@ -376,7 +376,7 @@ class AttentionCall(OpCall):
 
     def attention_relevance(self, relevance: Tensor, epsilon: float, values_only: bool):
         parts = self._parts
-        q, k, v = (parts[key].detach() for key in ("query", "key", "value"))
+        q, k, v = (parts[key] for key in ("query", "key", "value"))
         groups = q.shape[-3] // k.shape[-3] if parts["enable_gqa"] else 1
         k_, v_ = (k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)) if groups > 1 else (k, v)
         scale = parts["scale"] if parts["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])

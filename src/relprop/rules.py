@@ -47,12 +47,21 @@ LINEAR_KINDS = frozenset({"conv", "dense", "batchnorm", "sum", "norm"})
 PARAMETRIC_KINDS = frozenset({"conv", "dense"})
 
 
+def _stabilizer(epsilon: float, dtype: torch.dtype) -> float:
+    """In float16 and bfloat16 the stabiliser is at least the dtype's machine epsilon, so that 1/eps stays finite."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return max(epsilon, torch.finfo(dtype).eps)
+    return epsilon
+
+
 def denominator(z: Tensor, epsilon: float) -> Tensor:
     """Stabilise ``z`` for a division: ``z + epsilon * sign(z)`` with ``sign(0) = +1``.
 
     With ``epsilon == 0`` the zeros of ``z`` become ``inf``, so that dividing by
-    the result gives 0 there instead of NaN.
+    the result gives 0 there instead of NaN. In float16 and bfloat16 ``epsilon``
+    is at least the dtype's machine epsilon.
     """
+    epsilon = _stabilizer(epsilon, z.dtype)
     if epsilon == 0:
         return torch.where(z == 0, math.inf, z)
     return torch.where(z >= 0, z + epsilon, z - epsilon)
@@ -60,6 +69,7 @@ def denominator(z: Tensor, epsilon: float) -> Tensor:
 
 def inverse_denominator(z: Tensor, epsilon: float) -> Tensor:
     """``1 / denominator(z, epsilon)``, in as few passes over memory as possible."""
+    epsilon = _stabilizer(epsilon, z.dtype)
     if epsilon == 0:
         return torch.where(z == 0, 0.0, z.reciprocal())
     # copysign(eps, 0.0) = +eps; the rare -0.0 gets -eps, the same magnitude

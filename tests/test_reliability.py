@@ -1,0 +1,91 @@
+"""Dtypes, threads and long runs."""
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+import torchvision
+
+import relprop
+from conftest import ResidualNet, randomize_batch_norms
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return randomize_batch_norms(ResidualNet()).eval()
+
+
+def cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 0.9), (torch.float16, 0.98)])
+@pytest.mark.parametrize("preset", ["epsilon", "epsilon-plus-flat", "epsilon-alpha2-beta1"])
+def test_half_precision_is_close_to_float32(dtype, tolerance, preset):
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    x = torch.randn(2, 3, 32, 32)
+    reference = relprop.LRP(model, preset).attribute(x, target=3)
+    low = model.to(dtype)
+    relevance = relprop.LRP(low, preset).attribute(x.to(dtype), target=3)
+    assert relevance.dtype == dtype and torch.isfinite(relevance).all()
+    assert cosine(relevance, reference) > tolerance  # documented: cosine similarity to float32 per dtype
+
+
+def test_channels_last_and_no_grad_around_the_call():
+    model, x = net().double(), torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    expected = relprop.LRP(model, "epsilon-plus").attribute(x, target=1)
+    channels_last = relprop.LRP(model, "epsilon-plus").attribute(x.to(memory_format=torch.channels_last), target=1)
+    torch.testing.assert_close(channels_last, expected, rtol=1e-12, atol=1e-15)
+    with torch.no_grad():
+        assert torch.equal(relprop.LRP(model, "epsilon-plus").attribute(x, target=1), expected)
+    with torch.inference_mode():
+        inference = relprop.LRP(model, "epsilon-plus").attribute(x, target=1)
+    assert torch.equal(inference, expected)
+
+
+def test_threads_with_two_models_and_with_one_model():
+    models = [net(0).double(), net(1).double()]
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    jobs = [(models[0], "epsilon-plus"), (models[1], "epsilon"), (models[0], "epsilon-alpha2-beta1"),
+            (models[0], "epsilon")]
+    expected = [relprop.LRP(model, preset).attribute(x, target=2) for model, preset in jobs]
+    results, start = [None] * len(jobs), threading.Barrier(len(jobs))
+
+    def work(index):
+        model, preset = jobs[index]
+        start.wait()
+        for _ in range(3):
+            results[index] = relprop.LRP(model, preset).attribute(x, target=2)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result, reference in zip(results, expected):
+        assert torch.equal(result, reference)  # one model in three threads at once, rules never mixed
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * 4096 / 2 ** 20
+
+
+def test_long_runs_keep_memory_flat_and_keep_nothing():
+    model, x = net(), torch.randn(2, 3, 16, 16)
+    lrp = relprop.LRP(model, "epsilon-plus-flat")
+    activations = []
+    hooks = [module.register_forward_hook(lambda m, i, out: activations.append(weakref.ref(out)))
+             for module in model.modules()]
+    lrp.attribute(x, target=1)
+    for hook in hooks:
+        hook.remove()
+    gc.collect()
+    assert activations and all(ref() is None for ref in activations)  # nothing of the call outlives it
+    for _ in range(20):
+        lrp.attribute(x, target=1)
+    before = _resident_mib()
+    for _ in range(1000):
+        lrp.attribute(x, target=1)
+    assert _resident_mib() - before < 20
