@@ -167,6 +167,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=["vgg16", "resnet50"])
     parser.add_argument("--transformers", nargs="*", default=["llama", "bert"],
                         help="transformers timed at sequence length 128 (llama, bert)")
+    parser.add_argument("--transformer-batches", nargs="+", type=int, default=[1])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=5)
@@ -199,7 +200,7 @@ def main() -> None:
                     row += f" {peak:.0f} | {peak / memory_base:.2f} |"
                 print(row, flush=True)
     for name in args.transformers:
-        for batch in args.batches:
+        for batch in args.transformer_batches:
             times = time_transformer(name, batch, 128, args.rounds)
             print(f"\n## {name} (from config), batch {batch}, 128 tokens\n")
             print("| method | time (s) | x forward+backward |\n| --- | --- | --- |")
