@@ -3,16 +3,16 @@
 Every method runs in the same process, interleaved round by round after a
 warm-up, and the table reports medians, so that a noisy shared machine
 affects all methods alike. Peak memory is measured in a fresh subprocess per
-method (peak resident memory above the memory after the model is built and
-has run once). ``python benchmarks/bench.py --help`` lists the options.
+method: the peak resident memory of one run above the resident memory before
+it (after a warm-up run; Linux's peak is reset through /proc/self/clear_refs). ``python benchmarks/bench.py --help`` lists the options.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -137,9 +137,10 @@ def time_transformer(name: str, batch: int, length: int, rounds: int) -> dict[st
     return {key: statistics.median(values) for key, values in times.items()}
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * resource.getpagesize() // 1024
+def _status(field: str) -> int:
+    """A memory figure of this process from /proc/self/status, in KiB."""
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith(field + ":"))
 
 
 def peak_memory_child(name: str, batch: int, size: int, key: str, which: list[str]) -> None:
@@ -147,18 +148,20 @@ def peak_memory_child(name: str, batch: int, size: int, key: str, which: list[st
     model = build(name)
     x = torch.randn(batch, 3, size, size)
     target = torch.randint(0, 1000, (batch,)).tolist()
-    with torch.no_grad():
-        model(x)
     run = methods(model, name, which)[key]
-    before = _rss()
+    run(model, x, target)  # warm-up: allocator caches, lazy initialisation
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # reset the peak resident size (VmHWM) to the current one
     run(model, x, target)
-    run(model, x, target)
-    print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before))
+    print(json.dumps(_status("VmHWM") - before))
 
 
 def peak_memory(name: str, batch: int, size: int, key: str, which: list[str]) -> float:
+    # large blocks mmapped, so that freed tensors leave the resident memory at once and RSS tracks live memory
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, __file__, "--memory-child", name, str(batch), str(size), key,
-                          "--with", *which], capture_output=True, text=True, check=True)
+                          "--with", *which], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1]) / 1024
 
 

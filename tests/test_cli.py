@@ -51,6 +51,18 @@ def test_evaluate_prints_aopc(tmp_path, digits):
     assert "AOPC" in result.stdout
 
 
+def test_explain_dataset_writes_shards_and_an_index(tmp_path, digits):
+    result = relprop("explain-dataset", tmp_path, "--model", "cli_factory:small_cnn", "--size", 28, "--channels", 1,
+                     "--normalize", "none", "--batch-size", 1, "--shard-size", 1, "--downsample", 2,
+                     "--out", tmp_path / "shards", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    from relprop.dataset import load_shard, read_index
+    index = read_index(tmp_path / "shards")
+    assert [line["id"] for line in index] == [0, 1]
+    assert load_shard(tmp_path / "shards" / index[1]["shard"])["relevance"].shape == (1, 1, 14, 14)
+    assert json.loads((tmp_path / "shards" / "files.json").read_text()) == sorted(str(p) for p in digits)
+
+
 @pytest.mark.parametrize("args, message", [
     (["explain", "missing.png", "--model", "cli_factory:small_cnn"], "no such image: missing.png"),
     (["explain", "x.png", "--model", "no_such_net"], "unknown model 'no_such_net'"),

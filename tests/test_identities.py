@@ -68,3 +68,16 @@ def test_default_epsilon_absorbs_little_and_biases_absorb_their_share():
             assert ((total - expected).abs() / expected.abs()).min() > 1e-2
         else:  # the default epsilon (1e-6) loses only a sliver on a bias-free model
             torch.testing.assert_close(total, expected, rtol=tolerance, atol=0)
+
+
+def test_batch_norm_after_an_inplace_relu_is_not_merged_across_it():
+    """Shrunk from a hypothesis example: conv -> bn -> relu_ -> bn -> conv."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1, bias=False), torch.nn.BatchNorm2d(4), torch.nn.ReLU(inplace=True),
+        torch.nn.BatchNorm2d(4), torch.nn.Conv2d(4, 4, 3, padding=1, bias=False), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 5, bias=False))
+    model = randomize_batch_norms(model).double().eval()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    relevance = relprop.LRP(model, relprop.composites.Epsilon(epsilon=0.0)).attribute(x, target=TARGET)
+    assert relative_error(relevance, gradient_times_input(model, x, TARGET)) < 1e-8

@@ -1,4 +1,4 @@
-"""The ``relprop`` command line: ``demo``, ``explain`` and ``evaluate``.
+"""The ``relprop`` command line: ``demo``, ``explain``, ``evaluate`` and ``explain-dataset``.
 
 Examples
 --------
@@ -6,6 +6,8 @@ relprop demo --out out
 relprop explain cat.png --model resnet18 --weights resnet18.pth --preset epsilon-plus-flat --out out
 relprop explain digit.png --model mypackage.models:build --size 28 --normalize none
 relprop evaluate *.png --model resnet18 --weights resnet18.pth --out out
+relprop explain-dataset images/ --model resnet18 --weights resnet18.pth --out shards --downsample 4
+torchrun --nproc_per_node=2 -m relprop.cli explain-dataset images/ --model resnet18 --weights resnet18.pth
 """
 from __future__ import annotations
 
@@ -140,10 +142,49 @@ def _evaluate(args) -> None:
         print(f"{name:24s} AOPC {score:.4f}")
 
 
+class _ImageFiles(torch.utils.data.Dataset):
+    """The images of a folder, sorted by name, prepared like ``explain``'s inputs."""
+
+    SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+
+    def __init__(self, folder: str, size: int, normalize: str, channels: int):
+        if not Path(folder).is_dir():
+            raise CommandError(f"no such folder: {folder}")
+        self.paths = sorted(str(p) for p in Path(folder).iterdir() if p.suffix.lower() in self.SUFFIXES)
+        if not self.paths:
+            raise CommandError(f"no images in {folder}")
+        self.size, self.normalize, self.channels = size, normalize, channels
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return load_images([self.paths[index]], self.size, self.normalize, self.channels)[0][0]
+
+
+def _explain_dataset(args) -> None:
+    from .dataset import explain_dataset
+
+    model = load_model(args.model, args.weights, args.random_weights)
+    dataset = _ImageFiles(args.folder, args.size, args.normalize, args.channels)
+    reduce = None
+    if args.downsample > 1:
+        def reduce(relevance):
+            return torch.nn.functional.avg_pool2d(relevance.sum(1, keepdim=True), args.downsample)
+    index = explain_dataset(model, dataset, args.out, composite=_composite(args), batch_size=args.batch_size,
+                            shard_size=args.shard_size, target=args.target, reduce=reduce)
+    (Path(args.out) / "files.json").write_text(json.dumps(dataset.paths, indent=1))
+    print(f"explained {len(dataset)} images -> {index}")
+
+
 def _demo(args) -> None:
     from . import demo
 
     demo.run(args.out, examples=args.examples, evaluated=args.evaluated)
+
+
+def _dataset_target(value: str) -> int | str:
+    return value if value == "prediction" else int(value)
 
 
 def _baseline(value: str) -> float | str:
@@ -161,9 +202,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
 
     for name, run, help_text in (("explain", _explain, "write relevance heatmaps for images"),
-                                 ("evaluate", _evaluate, "pixel-flipping AOPC of LRP against baselines")):
+                                 ("evaluate", _evaluate, "pixel-flipping AOPC of LRP against baselines"),
+                                 ("explain-dataset", _explain_dataset,
+                                  "explain a folder of images into resumable shards (works under torchrun)")):
         command = commands.add_parser(name, help=help_text)
-        command.add_argument("images", nargs="+")
+        if name == "explain-dataset":
+            command.add_argument("folder")
+        else:
+            command.add_argument("images", nargs="+")
         command.add_argument("--model", required=True,
                              help="torchvision model name, a torch.export .pt2 file, or module:function")
         command.add_argument("--weights", help="state_dict file for a torchvision model")
@@ -173,7 +219,14 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--channels", type=int, default=3, choices=(1, 3))
         command.add_argument("--normalize", default="imagenet", choices=("imagenet", "none"))
         command.add_argument("--out", default="out")
-        if name == "explain":
+        if name == "explain-dataset":
+            command.add_argument("--batch-size", type=int, default=32)
+            command.add_argument("--shard-size", type=int, default=256)
+            command.add_argument("--target", type=_dataset_target, default="prediction",
+                                 help="a class index, or prediction (each image's top class, the default)")
+            command.add_argument("--downsample", type=int, default=1,
+                                 help="store relevance summed over channels and average-pooled by this factor")
+        elif name == "explain":
             command.add_argument("--target", type=int, help="class to explain (default: the top prediction)")
             command.add_argument("--cmap", default="bwr", help="matplotlib colour map or coldnhot")
             command.add_argument("--scale", type=int, default=1, help="enlarge each heatmap pixel")

@@ -250,6 +250,19 @@ class Session(TorchFunctionMode):
                     stack.append(parent)
         return reached
 
+    def overwritten(self, tensor: Tensor, result: Tensor | None = None) -> Tensor:
+        """``tensor`` was modified in place: it takes ``result``'s producer and tag, or loses its own.
+
+        Else a BatchNorm after ``conv -> bn -> relu_`` would be merged into the
+        convolution across the ReLU.
+        """
+        for table in (self.producers, self.tags):
+            if result is not None and result in table:
+                table[tensor] = table[result]
+            elif tensor in table:
+                del table[tensor]
+        return tensor
+
     def protect(self, tensor: Any) -> None:
         """Before ``tensor`` is modified in place, let the call that produced it keep a copy."""
         call = self.producers.get(tensor) if isinstance(tensor, Tensor) else None
@@ -269,6 +282,7 @@ class Session(TorchFunctionMode):
             shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
             raise RuleError(f"relprop: rule {rule!r} ({source}) cannot apply to {call.describe()} (op kind "
                             f"'{call.kind}', input shapes {shapes}, output shape {tuple(call.output.shape)})")
+        call.settle()
         self.producers[out] = call
         return out
 

@@ -126,6 +126,12 @@ class OpCall:
         if not self._prepared:
             self._prepared = True
             self.rule.prepare(self)
+            self.settle()
+
+    def settle(self) -> None:
+        """Drop the output once nothing will read it: it would keep an activation alive until the backward pass."""
+        if not self.rule.needs_output and (self._prepared or not self.rule.prepares):
+            self.output = None
 
     def protect(self) -> None:
         """Before user code modifies the output in place: prepare now, and copy it if the rule reads it later."""
@@ -180,7 +186,7 @@ class ParametricCall(OpCall):
 
     def _output_shape(self, vector: Tensor) -> Tensor:
         """A per-channel vector shaped to broadcast against the output."""
-        shape = [1] * self.output.dim()
+        shape = [1] * self.output_dim
         shape[1 if self.kind == "conv" else -1] = -1
         return vector.reshape(shape)
 
@@ -207,17 +213,18 @@ class ParametricCall(OpCall):
             grad = grad * self._output_shape(self._batch_norm[0])
         return (self._transpose(grad),)
 
-    def merge_batch_norm(self, batch_norm: Callable[[Tensor], Tensor], scale: Tensor, shift: Tensor) -> "ParametricCall":
+    def merge_batch_norm(self, batch_norm: Callable[[Tensor], Tensor], scale: Tensor, shift: Tensor,
+                         output: Tensor) -> "ParametricCall":
         """A copy of this call with ``batch_norm(f(x)) = f(x; scale*W, scale*b + shift)`` merged in.
 
-        The merged output is ``batch_norm`` applied to this call's output, so it
-        stays bitwise the plain model's.
+        The merged output is ``batch_norm`` applied to ``output``, this call's
+        output, so it stays bitwise the plain model's.
         """
         merged = copy.copy(self)
         merged._batch_norm = (scale, shift)
         merged._prepared = False
         merged.name = f"{self.name}+batch_norm"
-        merged._value = batch_norm(self.output)
+        merged._value = batch_norm(output.detach())
         if self._graph is not None:
             leaves, out = self._graph
             with torch.enable_grad():
@@ -251,6 +258,7 @@ def propagate(call: OpCall, rule) -> Tensor:
     call.rule = rule
     out = _Propagate.apply(call, *call.activations)
     call.output = out.detach()
+    call.output_dim = out.dim()
     call.release()
     return out
 

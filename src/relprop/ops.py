@@ -83,7 +83,10 @@ def _run(session, func, args, kwargs):
 def _run_in_place(session, func, args, kwargs):
     """In-place routing (``x[i] = v``, ``masked_fill_``): first keep what rules saved of the target."""
     session.protect(args[0])
-    return func(*args, **kwargs)
+    out = func(*args, **kwargs)
+    if isinstance(args[0], Tensor):
+        session.overwritten(args[0])
+    return out
 
 
 # ---------------------------------------------------------------- in place
@@ -102,7 +105,8 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
             return func(*args, **kwargs)
         session.protect(target)
         source = target.clone() if keeps_input else target
-        return target.copy_(handler(session, out_of_place, (source, *args[1:]), kwargs))
+        result = handler(session, out_of_place, (source, *args[1:]), kwargs)
+        return session.overwritten(target.copy_(result), result)
     return handle
 
 
@@ -117,7 +121,8 @@ def _with_inplace_flag(handler: Handler) -> Handler:
         if not is_activation(target):
             return func(*args, **kwargs)
         session.protect(target)  # elementwise rules keep nothing of their input: no copy needed
-        return target.copy_(handler(session, func, (), bound))
+        result = handler(session, func, (), bound)
+        return session.overwritten(target.copy_(result), result)
     return handle
 
 
@@ -224,7 +229,6 @@ def _batch_norm(session, func, args, kwargs):
     mergeable = (
         isinstance(producer, ParametricCall) and producer._channel_dim is not None
         and not bound["training"] and mean is not None and session.module_rule() is None
-        and producer.output.shape == x.shape
     )
     if not mergeable:
         return session.run(OpCall("batchnorm", func, args, kwargs, op_name(func), session.module_name))
@@ -236,7 +240,7 @@ def _batch_norm(session, func, args, kwargs):
     def batch_norm(z: Tensor) -> Tensor:
         return func(z, mean, var, bound["weight"], bound["bias"], False, bound["momentum"], bound["eps"])
 
-    merged = producer.merge_batch_norm(batch_norm, scale, shift)
+    merged = producer.merge_batch_norm(batch_norm, scale, shift, x)
     merged.module_name = session.module_name
     out = session.run(merged, rule=producer.rule)
     record = session.tapped.get(x)

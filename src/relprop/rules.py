@@ -95,6 +95,8 @@ class Rule:
     needs_vjp: bool = False
     #: whether :meth:`propagate` reads ``call.output`` (else it may be overwritten in place)
     needs_output: bool = False
+    #: whether :meth:`prepare` reads ``call.output``
+    prepares: bool = False
 
     def accepts(self, call) -> bool:
         """Whether this rule can propagate through ``call``."""
@@ -133,6 +135,7 @@ class Epsilon(Rule):
 
     kinds = LINEAR_KINDS
     needs_vjp = True
+    prepares = True
 
     def __init__(self, epsilon: float = 1e-6, zero_bias: bool = False):
         self.epsilon = epsilon
@@ -213,6 +216,7 @@ class BasicRule(Rule):
     """
 
     kinds = PARAMETRIC_KINDS
+    needs_output = True  # the gradient mapper receives z; the built-in rules that ignore it say so
 
     def __init__(
         self,
@@ -261,6 +265,8 @@ class ZPlus(BasicRule):
     Equals :class:`AlphaBeta` with ``alpha=1, beta=0``.
     """
 
+    needs_output = False
+
     def __init__(self, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.stabilizer = stabilizer
         super().__init__(
@@ -276,6 +282,8 @@ class AlphaBeta(BasicRule):
     Positive part: ``x+ w+`` and ``x- w-`` with ``b+``; negative part: ``x+ w-``
     and ``x- w+`` with ``b-``. Requires ``alpha - beta = 1``.
     """
+
+    needs_output = False
 
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_bias: bool = False):
         if alpha < 0 or beta < 0 or not math.isclose(alpha - beta, 1.0):
@@ -342,6 +350,8 @@ class ZBox(BasicRule):
     The bound images are padded exactly like the input.
     """
 
+    needs_output = False
+
     def __init__(self, low: float | Tensor, high: float | Tensor, stabilizer: float = 1e-6):
         self.low, self.high, self.stabilizer = low, high, stabilizer
 
@@ -378,6 +388,8 @@ def _gradient_only(inputs, grads):
 class WSquare(BasicRule):
     """LRP-w^2: ``R_i = sum_j w_ij^2 / sum_i' w_i'j^2 R_j``, independent of the input."""
 
+    needs_output = False
+
     def __init__(self, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.stabilizer = stabilizer
         super().__init__(
@@ -390,6 +402,8 @@ class WSquare(BasicRule):
 
 class Flat(BasicRule):
     """LRP-flat: every weight 1, no bias: relevance spread uniformly over the receptive field."""
+
+    needs_output = False
 
     def __init__(self, stabilizer: float = 1e-6):
         self.stabilizer = stabilizer
@@ -408,6 +422,8 @@ class Pass(Rule):
     summed back to (elementwise ops, scaling by constants); it cannot apply
     to a shape-changing op such as a convolution with other channels.
     """
+
+    needs_output = False
 
     kinds = frozenset({"conv", "dense", "batchnorm", "sum", "norm", "elementwise", "product", "maxpool", "softmax"})
 
@@ -453,6 +469,7 @@ class UniformProduct(Rule):
 
     kinds = frozenset({"product", "attention"})
     needs_vjp = True
+    prepares = True
 
     def __init__(self, epsilon: float = 1e-6):
         self.epsilon = epsilon
@@ -479,6 +496,7 @@ class SignalTakesAll(Rule):
 
     kinds = frozenset({"product", "attention"})
     needs_vjp = True  # for matrix products: the linear map of the signal, with the gate held constant
+    prepares = True
 
     def __init__(self, epsilon: float = 1e-6):
         self.epsilon = epsilon

@@ -1,0 +1,75 @@
+"""Fuzzing the public API's arguments: a clear error or a result, and an untouched model, every time."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import relprop
+from test_model_safety import assert_untouched, model, snapshot
+
+NET = model()
+X = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+BEFORE = snapshot(NET)
+
+TARGETS = st.one_of(
+    st.none(), st.integers(-20, 20), st.floats(allow_nan=True), st.text(max_size=3), st.booleans(),
+    st.tuples(st.integers(-8, 8)), st.tuples(st.integers(-8, 8), st.integers(-8, 8)),
+    st.lists(st.integers(-8, 8), max_size=4), st.lists(st.text(max_size=2), max_size=3),
+    st.builds(torch.tensor, st.lists(st.integers(-8, 8), min_size=1, max_size=3)),
+    st.builds(lambda n: torch.zeros(n, 5, dtype=torch.float64), st.integers(1, 3)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(target=TARGETS, preset=st.sampled_from(["epsilon", "epsilon-plus-flat"]))
+def test_any_target_gives_a_result_or_a_clear_error(target, preset):
+    try:
+        relevance = relprop.LRP(NET, preset).attribute(X, target=target)
+    except (ValueError, TypeError) as error:
+        assert str(error).startswith("relprop:"), error
+    else:
+        assert relevance.shape == X.shape and torch.isfinite(relevance).all()
+    assert_untouched(NET, BEFORE)
+
+
+@pytest.mark.parametrize("inputs, error, match", [
+    ((), TypeError, "inputs must be"),
+    ("image", TypeError, "inputs must be"),
+    ((X, "x"), TypeError, "inputs must be"),
+])
+def test_bad_inputs(inputs, error, match):
+    with pytest.raises(error, match=match):
+        relprop.LRP(NET).attribute(inputs, target=0)
+    assert_untouched(NET, BEFORE)
+
+
+class Hostile(nn.Module):
+    def __init__(self, behaviour):
+        super().__init__()
+        self.behaviour = behaviour
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.behaviour == "raise":
+            raise KeyError("something inside the model")
+        if self.behaviour == "string":
+            return "not a tensor"
+        if self.behaviour == "no-grad":
+            return h.detach()
+        return {"other": 3}
+
+
+@pytest.mark.parametrize("behaviour, error, match", [
+    ("raise", KeyError, "something inside the model"),
+    ("string", TypeError, "relprop: the model returned str"),
+    ("dict", TypeError, "without any tensor"),
+    ("no-grad", RuntimeError, ""),
+])
+def test_models_that_misbehave(behaviour, error, match):
+    hostile = Hostile(behaviour).eval()
+    before = snapshot(hostile)
+    with pytest.raises(error, match=match):
+        relprop.LRP(hostile).attribute(torch.randn(2, 4), target=0)
+    assert_untouched(hostile, before)
