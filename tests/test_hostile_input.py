@@ -65,7 +65,7 @@ class Hostile(nn.Module):
     ("raise", KeyError, "something inside the model"),
     ("string", TypeError, "relprop: the model returned str"),
     ("dict", TypeError, "without any tensor"),
-    ("no-grad", RuntimeError, ""),
+    ("no-grad", RuntimeError, "relprop: the model output does not depend on the inputs"),
 ])
 def test_models_that_misbehave(behaviour, error, match):
     hostile = Hostile(behaviour).eval()

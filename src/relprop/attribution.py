@@ -283,6 +283,9 @@ class ForwardPass:
         """Propagate ``seed`` from the logits: the relevance of each input."""
         explained = [x for x in self.inputs if x.requires_grad]
         embedded = [leaf for leaves in self._embeddings.values() for leaf in leaves]
+        if (explained or embedded) and not self.logits.requires_grad:
+            raise RuntimeError("relprop: the model output does not depend on the inputs through autograd: the model "
+                               "detached it, or computed it under torch.no_grad()")
         grads = iter(torch.autograd.grad(self.logits, explained + embedded, seed, allow_unused=True)
                      if explained or embedded else ())
         by_leaf = {id(leaf): next(grads) for leaf in explained + embedded}
