@@ -232,17 +232,31 @@ class BasicRule(Rule):
 
     def propagate(self, call, relevance):
         (x,) = call.inputs
-        inputs, outputs = [], []
+        inputs, outputs, live = [], [], []
         with torch.enable_grad():
             for term in self._terms:
-                modified = term.input(x).detach().requires_grad_()
-                weight = term.param(call.weight)
+                modified = term.input(x).detach()
                 keep_bias = term.bias and not self.zero_bias and call.bias is not None
                 bias = term.param(call.bias) if keep_bias else None
+                # x- of a non-negative input (after a ReLU) is all zeros: its term is the bias alone, no product
+                if bias is None and not modified.any():
+                    inputs.append(modified)
+                    outputs.append(None)
+                    continue
+                modified.requires_grad_()
                 inputs.append(modified)
-                outputs.append(call.evaluate(modified, weight, bias))
-        grads = torch.autograd.grad(outputs, inputs, self._gradient_mapper(relevance, outputs, call.output))
-        return (self._reducer(inputs, list(grads)),)
+                outputs.append(call.evaluate(modified, term.param(call.weight), bias))
+                live.append(len(outputs) - 1)
+        if not live:  # every term vanished: no input, no bias, no relevance
+            return (torch.zeros_like(x),)
+        shape = outputs[live[0]]
+        outputs = [torch.zeros_like(shape) if out is None else out for out in outputs]
+        mapped = self._gradient_mapper(relevance, outputs, call.output)
+        found = torch.autograd.grad([outputs[i] for i in live], [inputs[i] for i in live], [mapped[i] for i in live])
+        grads = [torch.zeros_like(x) for x in inputs]
+        for i, grad in zip(live, found):
+            grads[i] = grad
+        return (self._reducer(inputs, grads),)
 
 
 def _weighted_sum(inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
