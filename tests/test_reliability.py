@@ -20,11 +20,15 @@ def cosine(a, b):
     return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 0.9), (torch.float16, 0.98)])
 @pytest.mark.parametrize("preset", ["epsilon", "epsilon-plus-flat", "epsilon-alpha2-beta1"])
-def test_half_precision_is_close_to_float32(dtype, tolerance, preset):
-    model = torchvision.models.resnet18(num_classes=10).eval()
-    x = torch.randn(2, 3, 32, 32)
+def test_half_precision_is_close_to_float32(dtype, tolerance, preset, device):
+    model = torchvision.models.resnet18(num_classes=10).eval().to(device)
+    x = torch.randn(2, 3, 32, 32, device=device)
     reference = relprop.LRP(model, preset).attribute(x, target=3)
     low = model.to(dtype)
     relevance = relprop.LRP(low, preset).attribute(x.to(dtype), target=3)
@@ -32,8 +36,9 @@ def test_half_precision_is_close_to_float32(dtype, tolerance, preset):
     assert cosine(relevance, reference) > tolerance  # documented: cosine similarity to float32 per dtype
 
 
-def test_channels_last_and_no_grad_around_the_call():
-    model, x = net().double(), torch.randn(2, 3, 16, 16, dtype=torch.float64)
+@pytest.mark.parametrize("device", DEVICES)
+def test_channels_last_and_no_grad_around_the_call(device):
+    model, x = net().double().to(device), torch.randn(2, 3, 16, 16, dtype=torch.float64, device=device)
     expected = relprop.LRP(model, "epsilon-plus").attribute(x, target=1)
     channels_last = relprop.LRP(model, "epsilon-plus").attribute(x.to(memory_format=torch.channels_last), target=1)
     torch.testing.assert_close(channels_last, expected, rtol=1e-12, atol=1e-15)

@@ -216,8 +216,7 @@ def test_inputs_embeds_get_relevance_per_dimension():
 def test_vision_transformers(preset):
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     torch.manual_seed(0)
-    tv = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16,
-                                              mlp_dim=32, num_classes=5).double().eval()
+    tv = torchvision.models.vit_b_16(image_size=32, num_classes=5).double().eval()
     nn.init.normal_(tv.heads.head.weight)  # torchvision starts the head at zero
     config = T.ViTConfig(image_size=32, patch_size=8, num_hidden_layers=2, num_attention_heads=2, hidden_size=16,
                          intermediate_size=32, num_labels=5)

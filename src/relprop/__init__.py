@@ -16,11 +16,12 @@ from . import composites, rules
 from .attribution import LRP, Contrastive, model_logits, output_relevance
 from .audit import Audit, audit
 from .composites import Composite
+from .dataset import explain_dataset
 from .engine import RuleError, UnhandledOpWarning, UnsupportedOpError
 from .layer import LayerLRP, ModuleRelevance, module_relevance
 
 __all__ = [
-    "LRP", "LayerLRP", "Contrastive", "module_relevance", "ModuleRelevance", "audit", "Audit", "Composite", "composites", "rules", "output_relevance", "model_logits",
+    "LRP", "LayerLRP", "Contrastive", "explain_dataset", "module_relevance", "ModuleRelevance", "audit", "Audit", "Composite", "composites", "rules", "output_relevance", "model_logits",
     "RuleError", "UnsupportedOpError", "UnhandledOpWarning",
 ]
 __version__ = "0.1.0"

@@ -5,6 +5,7 @@ Examples
 relprop demo --out out
 relprop explain cat.png --model resnet18 --weights resnet18.pth --preset epsilon-plus-flat --out out
 relprop explain digit.png --model mypackage.models:build --size 28 --normalize none
+relprop explain --text "The movie was wonderful" --model path/to/hf-model-folder --preset attnlrp
 relprop evaluate *.png --model resnet18 --weights resnet18.pth --out out
 relprop explain-dataset images/ --model resnet18 --weights resnet18.pth --out shards --downsample 4
 torchrun --nproc_per_node=2 -m relprop.cli explain-dataset images/ --model resnet18 --weights resnet18.pth
@@ -98,6 +99,10 @@ def _composite(args) -> composites.Composite:
 def _explain(args) -> None:
     from . import viz
 
+    if args.text is not None:
+        return _explain_text(args)
+    if not args.images:
+        raise CommandError("give image files, or --text with a Hugging Face model folder as --model")
     model = load_model(args.model, args.weights, args.random_weights)
     inputs, raw = load_images(args.images, args.size, args.normalize, args.channels)
     with torch.no_grad():
@@ -115,6 +120,40 @@ def _explain(args) -> None:
         print(f"{path}: class {t} (logit {summary[-1]['logit']:.3f}, relevance sum {rel.sum().item():.3f}) "
               f"-> {out / (stem + '_relevance.png')}")
     (out / "explain.json").write_text(json.dumps(summary, indent=2))
+
+
+def _explain_text(args) -> None:
+    """A local Hugging Face model folder: relevance per token of ``--text``, printed and written as HTML."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from . import viz
+
+    if not Path(args.model).is_dir():
+        raise CommandError(f"no such model folder: {args.model}")
+    config = AutoConfig.from_pretrained(args.model)
+    causal = any(name.endswith("ForCausalLM") for name in (config.architectures or []))
+    factory = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
+    model = factory.from_pretrained(args.model).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    encoded = tokenizer([args.text], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**encoded).logits
+    scores = logits[0, -1] if causal else logits[0]
+    chosen = args.target if args.target is not None else int(scores.argmax())
+    target = (-1, chosen) if causal else chosen
+    preset = args.preset if args.preset in ("attnlrp", "cp-lrp") else "attnlrp"
+    relevance = LRP(model, preset).attribute(encoded["input_ids"], target=target,
+                                             additional_forward_args={"attention_mask": encoded["attention_mask"]})
+    tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
+    label = tokenizer.decode([chosen]) if causal else (config.id2label or {}).get(chosen, str(chosen))
+    print(f"explaining {'next token' if causal else 'class'} {label!r} ({preset}):")
+    print(viz.text_terminal(tokens, relevance[0]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "text.html").write_text(viz.text_html(tokens, relevance[0]))
+    (out / "text.json").write_text(json.dumps({"tokens": tokens, "relevance": relevance[0].tolist(),
+                                               "target": chosen, "label": label}, indent=1))
+    print(f"-> {out / 'text.html'}")
 
 
 def _evaluate(args) -> None:
@@ -209,9 +248,10 @@ def _parser() -> argparse.ArgumentParser:
         if name == "explain-dataset":
             command.add_argument("folder")
         else:
-            command.add_argument("images", nargs="+")
+            command.add_argument("images", nargs="*" if name == "explain" else "+")
         command.add_argument("--model", required=True,
-                             help="torchvision model name, a torch.export .pt2 file, or module:function")
+                             help="torchvision model name, a torch.export .pt2 file, module:function, "
+                                  "or (with --text) a Hugging Face model folder")
         command.add_argument("--weights", help="state_dict file for a torchvision model")
         command.add_argument("--random-weights", action="store_true", help="allow a torchvision model untrained")
         command.add_argument("--preset", default="epsilon-plus-flat", choices=list(composites.PRESETS))
@@ -227,7 +267,8 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--downsample", type=int, default=1,
                                  help="store relevance summed over channels and average-pooled by this factor")
         elif name == "explain":
-            command.add_argument("--target", type=int, help="class to explain (default: the top prediction)")
+            command.add_argument("--target", type=int, help="class or token to explain (default: the top one)")
+            command.add_argument("--text", help="explain this text with --model, a local Hugging Face model folder")
             command.add_argument("--cmap", default="bwr", help="matplotlib colour map or coldnhot")
             command.add_argument("--scale", type=int, default=1, help="enlarge each heatmap pixel")
             command.add_argument("--strict", action="store_true", help="fail on ops without a rule")

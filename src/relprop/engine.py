@@ -102,6 +102,9 @@ class Session(TorchFunctionMode):
     audit : callable, optional
         Called as ``audit(call, relevance, input_relevances)`` after every
         propagation (see :mod:`relprop.audit`).
+    token_inputs : tuple of integer tensors
+        Model inputs of token ids: their embedding lookups collect relevance
+        (:meth:`token_embedding`).
     """
 
     def __init__(self, model: nn.Module, composite, strict: bool = False, taps=None, audit=None,

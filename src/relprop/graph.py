@@ -128,6 +128,13 @@ class OpCall:
             self.rule.prepare(self)
             self.settle()
 
+    def finish(self) -> None:
+        """After the backward pass through this op: free what it kept, as autograd frees saved tensors."""
+        self.inputs = None
+        self.output = None
+        self._graph = None
+        self.__dict__.pop("inverse", None)
+
     def settle(self) -> None:
         """Drop the output once nothing will read it: it would keep an activation alive until the backward pass."""
         if not self.rule.needs_output and (self._prepared or not self.rule.prepares):
@@ -244,12 +251,15 @@ class _Propagate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, relevance: Tensor | None):
         call = ctx.call
+        if call.inputs is None:
+            raise RuntimeError("relprop: relevance crosses a recorded forward pass once; run the forward again")
         if relevance is None:
             return (None,) * (1 + len(call.inputs))
         call.prepare()
         result = call.rule.propagate(call, relevance)
         if call.audit is not None:
             call.audit(call, relevance, result)
+        call.finish()
         return (None, *result)
 
 

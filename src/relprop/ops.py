@@ -91,6 +91,18 @@ def _run_in_place(session, func, args, kwargs):
 
 # ---------------------------------------------------------------- in place
 
+def _protect_before(session, func, target: Tensor) -> None:
+    """Let the op that produced ``target`` keep what it needs before ``func`` overwrites it in place.
+
+    An in-place ReLU needs nothing kept: it changes only entries it sets to 0,
+    and relevance there is 0 whatever rule comes next (relevance is
+    proportional to the value), so the producer may read ``relu(z)`` for
+    ``z`` later. This saves one copy of every activation a ReLU overwrites.
+    """
+    if func not in _KEEPS_NONZERO:
+        session.protect(target)
+
+
 def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True) -> Handler:
     """Handle ``x.op_(...)`` as ``x.copy_(op(x, ...))``.
 
@@ -103,7 +115,7 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
         target = args[0]
         if not has_activation(args, kwargs):
             return func(*args, **kwargs)
-        session.protect(target)
+        _protect_before(session, func, target)
         source = target.clone() if keeps_input else target
         result = handler(session, out_of_place, (source, *args[1:]), kwargs)
         return session.overwritten(target.copy_(result), result)
@@ -120,7 +132,7 @@ def _with_inplace_flag(handler: Handler) -> Handler:
         target = next(iter(bound.values()))
         if not is_activation(target):
             return func(*args, **kwargs)
-        session.protect(target)  # elementwise rules keep nothing of their input: no copy needed
+        _protect_before(session, func, target)  # elementwise rules keep nothing of their input: no copy
         result = handler(session, func, (), bound)
         return session.overwritten(target.copy_(result), result)
     return handle
@@ -601,6 +613,8 @@ _register(_multi_head_attention, [F.multi_head_attention_forward])
 _register(_embedding, [F.embedding])
 for _func, _handler in RECURRENT_HANDLERS.items():
     HANDLERS[_func] = _handler
+#: in-place ops that leave every nonzero entry as it was (see ``_protect_before``)
+_KEEPS_NONZERO = frozenset(_lookup(F, "relu relu_") + _lookup(torch, "relu_") + _lookup(_T, "relu_"))
 #: handlers that run even without an activation among the arguments (a lookup of integer token ids)
 ALWAYS_HANDLED = frozenset({_embedding})
 
