@@ -4,7 +4,8 @@ Every method runs in the same process, interleaved round by round after a
 warm-up, and the table reports medians, so that a noisy shared machine
 affects all methods alike. Peak memory is measured in a fresh subprocess per
 method: the peak resident memory of one run above the resident memory before
-it (after a warm-up run; Linux's peak is reset through /proc/self/clear_refs). ``python benchmarks/bench.py --help`` lists the options.
+it (after a warm-up run; Linux's peak is reset through /proc/self/clear_refs).
+``python benchmarks/bench.py --help`` lists the options.
 """
 from __future__ import annotations
 

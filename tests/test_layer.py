@@ -163,7 +163,8 @@ def test_audit_accounts_for_all_relevance_and_lists_ops_without_rule():
     assert report.absorbed_total == pytest.approx(report.seed_total - report.input_total, rel=1e-9, abs=1e-12)
     assert [(row.module, row.op) for row in report.unhandled] == [("<root>", "torch.cumprod")]
     rules = {row.op: row.rule for row in report.rows}
-    assert rules["torch.nn.functional.conv2d"].startswith("Epsilon") and rules["torch.nn.functional.linear"].startswith("Epsilon")
+    assert rules["torch.nn.functional.conv2d"].startswith("Epsilon")
+    assert rules["torch.nn.functional.linear"].startswith("Epsilon")
     text = str(report)
     assert "torch.cumprod" in text and "ops without a rule: 1" in text
     # with zero biases and epsilon 0 on a model fully covered, nothing is absorbed

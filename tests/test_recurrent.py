@@ -19,7 +19,6 @@ def reference(rnn: nn.Module, x: torch.Tensor, relevance_out: torch.Tensor) -> t
         return torch.where(b == 0, 0.0, a / torch.where(b == 0, 1.0, b))
 
     kind, hidden, directions = type(rnn).__name__, rnn.hidden_size, 2 if rnn.bidirectional else 1
-    chunks = 4 if kind == "LSTM" else 3
     batch, steps, _ = x.shape
     inputs, caches = [x], []
     for layer in range(rnn.num_layers):  # forward pass, keeping every intermediate value

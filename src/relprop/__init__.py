@@ -21,7 +21,8 @@ from .engine import RuleError, UnhandledOpWarning, UnsupportedOpError
 from .layer import LayerLRP, ModuleRelevance, module_relevance
 
 __all__ = [
-    "LRP", "LayerLRP", "Contrastive", "explain_dataset", "module_relevance", "ModuleRelevance", "audit", "Audit", "Composite", "composites", "rules", "output_relevance", "model_logits",
+    "LRP", "LayerLRP", "Contrastive", "explain_dataset", "module_relevance", "ModuleRelevance", "audit", "Audit",
+    "Composite", "composites", "rules", "output_relevance", "model_logits",
     "RuleError", "UnsupportedOpError", "UnhandledOpWarning",
 ]
 __version__ = "0.1.0"

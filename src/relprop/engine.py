@@ -291,8 +291,6 @@ class Session(TorchFunctionMode):
 
     def unknown(self, func, args: tuple, kwargs: dict) -> Any:
         """An op without a rule: its plain gradient, reported if relevance flows through it."""
-        if not has_activation(args, kwargs):
-            return func(*args, **kwargs)
         call = OpCall("unknown", func, args, kwargs, op_name(func), self.module_name)
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in call.inputs]

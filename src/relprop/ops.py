@@ -113,8 +113,6 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
     """
     def handle(session, func, args, kwargs):
         target = args[0]
-        if not has_activation(args, kwargs):
-            return func(*args, **kwargs)
         _protect_before(session, func, target)
         source = target.clone() if keeps_input else target
         result = handler(session, out_of_place, (source, *args[1:]), kwargs)
@@ -265,8 +263,6 @@ def _batch_norm(session, func, args, kwargs):
 def _linear(kind: str, linearised: Callable | None = None) -> Handler:
     """Sums, means, average pooling, interpolation, normalisation: linear in their activations."""
     def handle(session, func, args, kwargs):
-        if not has_activation(args, kwargs):
-            return func(*args, **kwargs)
         return session.run(OpCall(kind, func, args, kwargs, op_name(func), session.module_name, linearised))
     return handle
 
@@ -312,8 +308,6 @@ def _elementwise(tag: str | None = None) -> Handler:
     or ``"statistic"`` (``rsqrt`` of a variance: a constant scaling).
     """
     def handle(session, func, args, kwargs):
-        if not has_activation(args, kwargs):
-            return func(*args, **kwargs)
         call = OpCall("elementwise", func, args, kwargs, op_name(func), session.module_name)
         if len(call.inputs) != 1:
             return session.unknown(func, args, kwargs)
@@ -335,8 +329,6 @@ def _product(matrix: bool, divide: bool = False) -> Handler:
     takes all where one factor is a gate; a divisor counts as a gate).
     """
     def handle(session, func, args, kwargs):
-        if not has_activation(args, kwargs):
-            return func(*args, **kwargs)
         call = OpCall("product", func, args, kwargs, op_name(func), session.module_name)
         call.matrix = matrix
         if len(call.inputs) > 2:
@@ -356,8 +348,6 @@ def _product(matrix: bool, divide: bool = False) -> Handler:
 def _softmax(names: tuple[str, ...] | None) -> Handler:
     """Softmax inside the model; its output is tagged, so that CP-LRP can hold attention weights constant."""
     def handle(session, func, args, kwargs):
-        if not has_activation(args, kwargs):
-            return func(*args, **kwargs)
         bound = _bind(func, args, kwargs) if names is None else _bind_builtin(names, args, kwargs)
         call = OpCall("softmax", func, args, kwargs, op_name(func), session.module_name)
         if len(call.inputs) != 1 or bound.get("dim") is None:
@@ -421,15 +411,13 @@ class AttentionCall(OpCall):
 
 
 def _attention(session, func, args, kwargs):
-    if not has_activation(args, kwargs):
-        return func(*args, **kwargs)
     return session.run(AttentionCall(func, args, kwargs, session.module_name))
 
 
 def _multi_head_attention(session, func, args, kwargs):
     """``nn.MultiheadAttention``: the native output, relevance through its decomposition into rule-bearing ops."""
     bound = _bind(func, args, kwargs)
-    if (not has_activation(args, kwargs) or bound["bias_k"] is not None or bound["add_zero_attn"]
+    if (bound["bias_k"] is not None or bound["add_zero_attn"]
             or bound["static_k"] is not None or bound["static_v"] is not None):
         return session.unknown(func, args, kwargs)
     output, weights = func(*args, **kwargs)
@@ -487,7 +475,7 @@ def _max_pool(signature: Callable, average: Callable[[dict], Callable[[Tensor], 
     """
     def handle(session, func, args, kwargs):
         bound = _bind(signature, args, kwargs)
-        if not has_activation(args, kwargs) or bound.get("return_indices"):
+        if bound.get("return_indices"):
             return func(*args, **kwargs)
         call = OpCall("maxpool", func, args, kwargs, op_name(func), session.module_name)
         call.average = average(bound)
