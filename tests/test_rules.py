@@ -16,6 +16,11 @@ def stabilize(z, eps):
     return z + eps * torch.where(z >= 0, 1.0, -1.0).to(z)
 
 
+def divide(numerator, denominator):
+    """``numerator / denominator``, 0 where the denominator is exactly 0 (DESIGN.md: never NaN)."""
+    return torch.where(denominator == 0, 0.0, numerator / torch.where(denominator == 0, 1.0, denominator))
+
+
 def matrix_form(layer, in_shape):
     """W (n_in x n_out) and b (n_out) of ``layer`` on inputs of shape ``in_shape``."""
     zero = torch.zeros(1, *in_shape, dtype=torch.float64)
@@ -33,30 +38,30 @@ def reference(rule, a, W, b, R, low=None, high=None):
     Wp, Wn, ap, an = W.clamp(min=0), W.clamp(max=0), a.clamp(min=0), a.clamp(max=0)
     if isinstance(rule, rules.Epsilon):
         z = a @ W + (0 if rule.zero_bias else b)
-        return a * (W @ (R / stabilize(z, rule.epsilon)))
+        return a * (W @ divide(R, stabilize(z, rule.epsilon)))
     if isinstance(rule, rules.ZPlus):
-        s = R / stabilize(ap @ Wp + an @ Wn + b.clamp(min=0), rule.stabilizer)
+        s = divide(R, stabilize(ap @ Wp + an @ Wn + b.clamp(min=0), rule.stabilizer))
         return ap * (Wp @ s) + an * (Wn @ s)
     if isinstance(rule, rules.AlphaBeta):
-        sp = R / stabilize(ap @ Wp + an @ Wn + b.clamp(min=0), rule.stabilizer)
-        sn = R / stabilize(ap @ Wn + an @ Wp + b.clamp(max=0), rule.stabilizer)
+        sp = divide(R, stabilize(ap @ Wp + an @ Wn + b.clamp(min=0), rule.stabilizer))
+        sn = divide(R, stabilize(ap @ Wn + an @ Wp + b.clamp(max=0), rule.stabilizer))
         return rule.alpha * (ap * (Wp @ sp) + an * (Wn @ sp)) - rule.beta * (ap * (Wn @ sn) + an * (Wp @ sn))
     if isinstance(rule, rules.Gamma):
         g = rule.gamma
         up, down = W + g * Wp, W + g * Wn
         z = a @ W + b
-        sp = R * (z > 0) / stabilize(ap @ up + an @ down + b + g * b.clamp(min=0), rule.stabilizer)
-        sn = R * (z < 0) / stabilize(ap @ down + an @ up + b + g * b.clamp(max=0), rule.stabilizer)
+        sp = divide(R * (z > 0), stabilize(ap @ up + an @ down + b + g * b.clamp(min=0), rule.stabilizer))
+        sn = divide(R * (z < 0), stabilize(ap @ down + an @ up + b + g * b.clamp(max=0), rule.stabilizer))
         return ap * (up @ sp) + an * (down @ sp) + ap * (down @ sn) + an * (up @ sn)
     if isinstance(rule, rules.ZBox):
-        s = R / stabilize(a @ W - low @ Wp - high @ Wn, rule.stabilizer)
+        s = divide(R, stabilize(a @ W - low @ Wp - high @ Wn, rule.stabilizer))
         return a * (W @ s) - low * (Wp @ s) - high * (Wn @ s)
     if isinstance(rule, rules.Flat):
         ones = (W != 0).to(W)
-        return ones @ (R / stabilize(ones.sum(0), rule.stabilizer))
+        return ones @ divide(R, stabilize(ones.sum(0), rule.stabilizer))
     if isinstance(rule, rules.WSquare):
         squares = W * W
-        return squares @ (R / stabilize(squares.sum(0) + b * b, rule.stabilizer))
+        return squares @ divide(R, stabilize(squares.sum(0) + b * b, rule.stabilizer))
     raise AssertionError(rule)
 
 
@@ -81,10 +86,11 @@ RULES = {
 }
 
 
+@pytest.mark.parametrize("sign", ["signed", "nonnegative"])  # non-negative inputs take the fast forms
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("layer_name", LAYERS)
 @pytest.mark.parametrize("rule_name", RULES)
-def test_rule_matches_matrix_form(layer_name, rule_name, bias):
+def test_rule_matches_matrix_form(layer_name, rule_name, bias, sign):
     make, in_shape = LAYERS[layer_name]
     layer = make(bias).double().eval()
     if bias:
@@ -92,6 +98,8 @@ def test_rule_matches_matrix_form(layer_name, rule_name, bias):
             layer.bias.uniform_(-0.5, 0.5)
     rule = RULES[rule_name]
     x = torch.randn(2, *in_shape, dtype=torch.float64)
+    if sign == "nonnegative":
+        x = x.relu()
     out = layer(x)
     R = torch.randn_like(out)
     attributed = relprop.LRP(layer, relprop.Composite(conv=rule, dense=rule)).attribute(x, target=R)

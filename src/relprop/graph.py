@@ -220,6 +220,15 @@ class ParametricCall(OpCall):
             grad = grad * self._output_shape(self._batch_norm[0])
         return (self._transpose(grad),)
 
+    @property
+    def transposable(self) -> bool:
+        """Whether :meth:`transpose_with` is available (no string padding, no private graph needed)."""
+        return self._transpose is not None
+
+    def transpose_with(self, grad: Tensor, weight: Tensor) -> Tensor:
+        """The VJP with respect to the input of the op with another ``weight``: one transposed product."""
+        return self._transpose(grad, weight)
+
     def merge_batch_norm(self, batch_norm: Callable[[Tensor], Tensor], scale: Tensor, shift: Tensor,
                          output: Tensor) -> "ParametricCall":
         """A copy of this call with ``batch_norm(f(x)) = f(x; scale*W, scale*b + shift)`` merged in.

@@ -273,6 +273,23 @@ def _split(relevance: Tensor, outputs: list[Tensor], epsilon: float, groups: Seq
     return grads
 
 
+def _positive_input(call, zero_bias: bool) -> tuple[Tensor, Tensor] | None:
+    """``(x, P)`` with ``P = W+ x + b+`` when the fast form of alpha-beta and gamma applies, else None.
+
+    On a non-negative input (after a ReLU) the products with ``x-`` vanish and
+    ``W- x + b- = z - P``: one modified forward and two transposed products,
+    the floor. ``z`` is the op's output; where an in-place ReLU has since
+    zeroed it, the relevance arriving there is 0, so every use stays exact.
+    """
+    if zero_bias or call.kind not in PARAMETRIC_KINDS or not getattr(call, "transposable", False):
+        return None
+    (x,) = call.inputs
+    if call.output is None or bool((x < 0).any()):
+        return None
+    bias = call.bias.clamp(min=0) if call.bias is not None else None
+    return x, call.evaluate(x, call.weight.clamp(min=0), bias)
+
+
 class ZPlus(BasicRule):
     """LRP-z+: only positive contributions (``x+ w+`` and ``x- w-``, bias ``b+``).
 
@@ -297,7 +314,19 @@ class AlphaBeta(BasicRule):
     and ``x- w+`` with ``b-``. Requires ``alpha - beta = 1``.
     """
 
-    needs_output = False
+    needs_output = True  # the fast form on non-negative inputs reads z
+
+    def propagate(self, call, relevance):
+        fast = _positive_input(call, self.zero_bias)
+        if fast is None:
+            return super().propagate(call, relevance)
+        x, positive = fast
+        negative = call.output - positive
+        weight = call.weight
+        grad = (self.alpha * call.transpose_with(relevance / denominator(positive, self.stabilizer), weight.clamp(min=0))
+                - self.beta * call.transpose_with(relevance / denominator(negative, self.stabilizer),
+                                                  weight.clamp(max=0)))
+        return (x * grad,)
 
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_bias: bool = False):
         if alpha < 0 or beta < 0 or not math.isclose(alpha - beta, 1.0):
@@ -330,6 +359,19 @@ class Gamma(BasicRule):
     """
 
     needs_output = True
+
+    def propagate(self, call, relevance):
+        fast = _positive_input(call, self.zero_bias)
+        if fast is None:
+            return super().propagate(call, relevance)
+        x, positive = fast
+        z, gamma = call.output, self.gamma
+        up = relevance * (z > 0) / denominator(z + gamma * positive, self.stabilizer)
+        down = relevance * (z < 0) / denominator(z + gamma * (z - positive), self.stabilizer)
+        # (W + g W+)^T up + (W + g W-)^T down, with W- = W - W+: two transposed products
+        grad = (call.transpose_with(up + (1 + gamma) * down, call.weight)
+                + gamma * call.transpose_with(up - down, call.weight.clamp(min=0)))
+        return (x * grad,)
 
     def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.gamma, self.stabilizer = gamma, stabilizer
