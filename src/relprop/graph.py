@@ -308,17 +308,17 @@ def watch(value: Any, report: Callable[[Tensor], None]) -> Any:
 
 
 class _Tap(torch.autograd.Function):
-    """Identity that hands the relevance passing through it to ``record`` (which may change it)."""
+    """Identity that hands the relevance passing through it to ``record``."""
 
     @staticmethod
-    def forward(ctx, record: Callable[[Tensor], Tensor | None], value: Tensor) -> Tensor:
+    def forward(ctx, record: Callable[[Tensor], None], value: Tensor) -> Tensor:
         ctx.record = record
         return value.clone()  # a fresh tensor, so that later in-place ops on it are allowed
 
     @staticmethod
     def backward(ctx, relevance: Tensor):
-        changed = ctx.record(relevance)
-        return None, relevance if changed is None else changed
+        ctx.record(relevance)
+        return None, relevance
 
 
 class _Substitute(torch.autograd.Function):
@@ -338,7 +338,7 @@ def substitute(value: Tensor, source: Tensor) -> Tensor:
     return _Substitute.apply(value.detach(), source)
 
 
-def tap(value: Tensor, record: Callable[[Tensor], Tensor | None]) -> Tensor:
+def tap(value: Tensor, record: Callable[[Tensor], None]) -> Tensor:
     """``value`` behind a node that passes the relevance reaching it to ``record`` during the backward pass."""
     return _Tap.apply(record, value)
 
