@@ -117,7 +117,8 @@ def _backward_to_taps(logits: Tensor, seed: Tensor, tappers: Sequence[_Tapper]) 
     torch.autograd.grad(logits, below, seed, allow_unused=True)
 
 
-def _repeat_target(target: Target, times: int) -> Target:
+def _tile_target(target: Target, times: int) -> Target:
+    """Per-example targets for the batch repeated ``times`` times as a whole (concept-major)."""
     if isinstance(target, Tensor) and not target.is_floating_point() and target.dim() == 1:
         return target.repeat(times)
     if isinstance(target, list):
@@ -220,7 +221,7 @@ class LayerLRP:
                 raise ValueError(f"relprop: conditioning needs a layer that runs once, "
                                  f"it ran {len(tapper.calls)} times")
             logits = explained.logits
-            _backward_to_taps(logits, output_relevance(logits, _repeat_target(target, count)), [tapper])
+            _backward_to_taps(logits, output_relevance(logits, _tile_target(target, count)), [tapper])
             (record,) = tapper.records()
             relevance = record.value()
             mask = torch.zeros(count, relevance.shape[1], dtype=relevance.dtype, device=relevance.device)

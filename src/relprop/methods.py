@@ -37,7 +37,7 @@ class _Method:
 
     def _repeated_gradient(self, copies: Tensor, target: Any, per_example: int, extra: tuple) -> Tensor:
         """Gradients of ``copies`` (``per_example`` consecutive copies of each example), in chunks."""
-        targets = _repeat_target(target, copies.shape[0] // per_example, per_example)
+        targets = _interleave_target(target, per_example)
         grads = []
         for start in range(0, copies.shape[0], self.chunk_size):
             stop = start + self.chunk_size
@@ -46,7 +46,8 @@ class _Method:
         return torch.cat(grads)
 
 
-def _repeat_target(target: Any, batch: int, times: int) -> Any:
+def _interleave_target(target: Any, times: int) -> Any:
+    """Per-example targets for ``times`` consecutive copies of each example; other targets as they are."""
     if isinstance(target, Tensor) and target.dim() == 1 or isinstance(target, list):
         return [t for t in (target.tolist() if isinstance(target, Tensor) else target) for _ in range(times)]
     return target

@@ -323,9 +323,9 @@ class AlphaBeta(BasicRule):
         x, positive = fast
         negative = call.output - positive
         weight = call.weight
-        grad = (self.alpha * call.transpose_with(relevance / denominator(positive, self.stabilizer), weight.clamp(min=0))
-                - self.beta * call.transpose_with(relevance / denominator(negative, self.stabilizer),
-                                                  weight.clamp(max=0)))
+        positive_share = call.transpose_with(relevance / denominator(positive, self.stabilizer), weight.clamp(min=0))
+        negative_share = call.transpose_with(relevance / denominator(negative, self.stabilizer), weight.clamp(max=0))
+        grad = self.alpha * positive_share - self.beta * negative_share
         return (x * grad,)
 
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_bias: bool = False):
