@@ -12,7 +12,7 @@ import time
 import torch
 
 from relprop import demo
-from relprop.dataset import _distributed, explain_dataset
+from relprop.dataset import _barrier, _distributed, explain_dataset
 
 
 def main() -> None:
@@ -24,6 +24,7 @@ def main() -> None:
     model = demo.SmallCNN().eval()
     if rank == 0:
         shutil.rmtree(out, ignore_errors=True)
+    _barrier()  # no process may look for finished shards before the old ones are gone
     started = time.perf_counter()
     explain_dataset(model, dataset, out, composite="epsilon-plus-flat", batch_size=64, shard_size=256,
                     progress=False)
