@@ -1,6 +1,9 @@
-"""A small dataset job for the scale-out tests: ``python dataset_job.py OUT [SECONDS_PER_BATCH]``.
+"""A small dataset job for the scale-out tests: ``python dataset_job.py OUT [SECONDS_PER_BATCH] [--wrap=ddp|fsdp]``.
 
-Run it directly (one process) or under ``torchrun`` (several).
+Run it directly (one process) or under ``torchrun`` (several). With ``--wrap``
+the model is wrapped in DistributedDataParallel, or its layers and itself are
+sharded with FSDP2's ``fully_shard``; the job then checks that the model is in
+training mode, and sharded, as before after the run.
 """
 import sys
 import time
@@ -43,7 +46,36 @@ def model(seconds: float = 0.0) -> nn.Module:
     return nn.Sequential(Slow(seconds), nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(400, 3)).eval()
 
 
+def wrapped(network: nn.Module, how: str) -> nn.Module:
+    """The model in DistributedDataParallel, or its layers and itself sharded with FSDP2, in training mode."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    network.train()  # explained in eval mode all the same; the flags must come back
+    if how == "ddp":
+        return nn.parallel.DistributedDataParallel(network)
+    for layer in (network[1], network[4]):
+        fully_shard(layer)
+    fully_shard(network)
+    assert sharded(network)
+    return network
+
+
+def sharded(network: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(parameter, DTensor) for parameter in network.parameters())
+
+
 if __name__ == "__main__":
-    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
-    explain_dataset(model(seconds), Noise(), sys.argv[1], composite="epsilon-plus", batch_size=4, shard_size=8,
+    how = next((argument.split("=")[1] for argument in sys.argv if argument.startswith("--wrap=")), None)
+    arguments = [argument for argument in sys.argv[1:] if not argument.startswith("--wrap=")]
+    seconds = float(arguments[1]) if len(arguments) > 1 else 0.0
+    network = wrapped(model(seconds), how) if how else model(seconds)
+    explain_dataset(network, Noise(), arguments[0], composite="epsilon-plus", batch_size=4, shard_size=8,
                     target="label", progress=False)
+    if how:
+        assert all(module.training for module in network.modules()), "training flags not restored"
+    if how == "fsdp":
+        assert sharded(network), "left unsharded"

@@ -44,9 +44,10 @@ def test_single_process_covers_every_sample_once(single):
     assert all(target == sample_id % 3 for sample_id, (target, _, _) in single.items())
 
 
-def test_torchrun_with_two_processes_equals_one(tmp_path, single):
+@pytest.mark.parametrize("wrapping", [[], ["--wrap=ddp"], ["--wrap=fsdp"]], ids=["plain", "ddp", "fsdp2"])
+def test_torchrun_with_two_processes_equals_one(tmp_path, single, wrapping):
     result = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", JOB,
-                 tmp_path)
+                 tmp_path, *wrapping)
     assert result.returncode == 0, result.stderr
     both = samples(tmp_path)
     assert sorted(both) == sorted(single)

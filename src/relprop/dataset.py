@@ -13,12 +13,21 @@ sample: id, shard, row, target, prediction, relevance total.
 Under ``torchrun`` every process takes its shards; the process group (gloo on
 CPU, NCCL on GPU) is set up from torchrun's environment if the caller has
 not done so. A single process needs no distributed set-up at all.
+
+Models wrapped in ``DistributedDataParallel`` are unwrapped. Models sharded
+with FSDP2 (``torch.distributed.fsdp.fully_shard``) have their parameters
+gathered once at the start and kept whole on every process for the run, so
+that processes never wait for each other: the whole model (and one batch's
+activations) must fit on one device. The older ``FullyShardedDataParallel``
+wrapper (FSDP1) is refused with an error: it cannot be run on CPU, so it is
+untested here.
 """
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +59,48 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module inside ``DistributedDataParallel``: each process explains its own samples with it."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+@contextmanager
+def _local(model: nn.Module) -> Iterator[nn.Module]:
+    """The model with full parameters on this process, so each process explains its own samples alone.
+
+    ``DistributedDataParallel`` holds the whole module: it is unwrapped. A model
+    sharded with FSDP2 (``fully_shard``) gets its parameters gathered once,
+    collectively, and kept gathered for the whole run with FSDP's resharding and
+    gradient reduction switched off. Otherwise every forward would be a collective
+    call, and processes with different numbers of batches (a resumed run, a last
+    short shard) would wait for each other forever. FSDP's settings and sharding
+    are restored at the end, also when an exception flies.
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # a build without distributed support
+        yield model
+        return
+    if isinstance(model, FullyShardedDataParallel):
+        raise TypeError("relprop: FullyShardedDataParallel (FSDP1) is not supported; shard the model with "
+                        "torch.distributed.fsdp.fully_shard (FSDP2) instead")
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    groups = [group for group in (module._get_fsdp_state()._fsdp_param_group for module in sharded) if group]
+    # FSDP2 keeps these per parameter group and has setters but no getters: save them to restore exactly.
+    saved = [(group.post_forward_mesh_info, group.reshard_after_backward, group.reduce_grads) for group in groups]
+    training = [module for module in model.modules() if module.training]
+    try:
+        model.eval()
+        for module in sharded:
+            module.unshard()
+            module.set_reshard_after_forward(False, recurse=False)
+            module.set_reshard_after_backward(False, recurse=False)
+            module.set_requires_gradient_sync(False, recurse=False)
+        yield model
+    finally:
+        for group, (forward, backward, reduce) in zip(groups, saved):
+            group.post_forward_mesh_info, group.reshard_after_backward, group.reduce_grads = forward, backward, reduce
+        for module in sharded:
+            module.reshard()
+        for module in training:
+            module.training = True
 
 
 def _sample(dataset: Any, index: int) -> tuple[Tensor, int | None]:
@@ -91,7 +139,10 @@ def explain_dataset(model: nn.Module, dataset: Any, out: str | Path, composite=N
     Parameters
     ----------
     model : nn.Module
-        Also wrapped in ``DistributedDataParallel``.
+        Explained in eval mode (its training flags are restored at the end). Also
+        wrapped in ``DistributedDataParallel`` or sharded with FSDP2's ``fully_shard``:
+        the full parameters are then gathered once and every process explains its
+        samples on its own (see the module docstring for memory).
     dataset : map-style dataset or DataLoader
         Items are inputs or ``(input, label, ...)``; of a DataLoader its dataset is used.
     out : folder
@@ -113,40 +164,29 @@ def explain_dataset(model: nn.Module, dataset: Any, out: str | Path, composite=N
     if isinstance(dataset, torch.utils.data.DataLoader):
         dataset = dataset.dataset
     rank, world = _distributed()
-    model = _unwrap(model).eval()
-    device = next(model.parameters(), torch.empty(0)).device
-    lrp = LRP(model, composite)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     total = len(dataset)
-    shards = range(rank, -(-total // shard_size), world)
-    todo = [k for k in shards if not (out / _shard_name(k)).exists()]
+    todo = [k for k in range(rank, -(-total // shard_size), world) if not (out / _shard_name(k)).exists()]
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm
         bar = tqdm(total=sum(min(shard_size, total - k * shard_size) for k in todo) * world, unit="sample",
                    desc=f"explaining ({world} process{'es' if world > 1 else ''})")
-    for shard in todo:
-        ids = list(range(shard * shard_size, min((shard + 1) * shard_size, total)))
-        parts: dict[str, list[Tensor]] = {"relevance": [], "ids": [], "target": [], "prediction": [], "total": []}
-        for start in range(0, len(ids), batch_size):
-            batch_ids = ids[start:start + batch_size]
-            inputs, labels = zip(*(_sample(dataset, i) for i in batch_ids))
-            x = torch.stack(inputs).to(device)
-            explained = lrp.forward(x)
-            prediction = explained.logits.detach().argmax(1)
-            chosen = _targets(target, prediction, labels)
-            seed = torch.where(target_mask(explained.logits, chosen), explained.logits.detach(), 0.0)
-            (relevance,) = explained.relevance(seed)
-            parts["relevance"].append(reduce(relevance) if reduce is not None else relevance)
-            parts["ids"].append(torch.tensor(batch_ids))
-            parts["target"].append(torch.tensor(chosen))
-            parts["prediction"].append(prediction.cpu())
-            parts["total"].append(relevance.reshape(len(batch_ids), -1).sum(1).cpu())
-            if bar is not None:
-                bar.update(len(batch_ids) * world)
-        _save_atomically({key: torch.cat(value) for key, value in parts.items()},
-                         {"shard": str(shard), "shard_size": str(shard_size)}, out / _shard_name(shard))
+    with _local(model) as local:
+        lrp = LRP(local, composite)
+        device = next(local.parameters(), torch.empty(0)).device
+        for shard in todo:
+            ids = range(shard * shard_size, min((shard + 1) * shard_size, total))
+            parts: dict[str, list[Tensor]] = {key: [] for key in ("relevance", "ids", "target", "prediction", "total")}
+            for start in range(0, len(ids), batch_size):
+                batch = _explain_batch(lrp, dataset, ids[start:start + batch_size], device, target, reduce)
+                for key, value in batch.items():
+                    parts[key].append(value)
+                if bar is not None:
+                    bar.update(len(batch["ids"]) * world)
+            _save_atomically({key: torch.cat(value) for key, value in parts.items()},
+                             {"shard": str(shard), "shard_size": str(shard_size)}, out / _shard_name(shard))
     if bar is not None:
         bar.close()
     _barrier()
@@ -155,6 +195,20 @@ def explain_dataset(model: nn.Module, dataset: Any, out: str | Path, composite=N
         _write_index(out, -(-total // shard_size), index)
     _barrier()
     return index
+
+
+def _explain_batch(lrp: LRP, dataset: Any, ids: range, device: torch.device, target: str | int,
+                   reduce: Callable[[Tensor], Tensor] | None) -> dict[str, Tensor]:
+    """One batch of samples explained: the tensors a shard stores for them."""
+    inputs, labels = zip(*(_sample(dataset, i) for i in ids))
+    explained = lrp.forward(torch.stack(inputs).to(device))
+    prediction = explained.logits.detach().argmax(1)
+    chosen = _targets(target, prediction, labels)
+    seed = torch.where(target_mask(explained.logits, chosen), explained.logits.detach(), 0.0)
+    (relevance,) = explained.relevance(seed)
+    return {"relevance": reduce(relevance) if reduce is not None else relevance, "ids": torch.tensor(list(ids)),
+            "target": torch.tensor(chosen), "prediction": prediction.cpu(),
+            "total": relevance.reshape(len(ids), -1).sum(1).cpu()}
 
 
 def _shard_name(shard: int) -> str:
