@@ -98,4 +98,6 @@ def test_demo_runs(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "AOPC" in result.stdout and "test accuracy" in result.stdout
     assert Image.open(tmp_path / "demo" / "heatmaps.png").size[0] > 500
-    assert set(json.loads((tmp_path / "demo" / "aopc.json").read_text())["aopc"]) >= {"random", "Gradient"}
+    scores = json.loads((tmp_path / "demo" / "aopc.json").read_text())["aopc"]
+    assert set(scores) == {"regions", "pixels"}
+    assert all(set(by_method) >= {"random", "Gradient", "LRP epsilon"} for by_method in scores.values())
