@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 TESTS = Path(__file__).parent
@@ -40,6 +41,24 @@ def test_explain_writes_heatmaps(tmp_path, digits):
         assert Image.open(tmp_path / "out" / name).size == (28, 28)
     summary = json.loads((tmp_path / "out" / "explain.json").read_text())
     assert [entry["image"] for entry in summary] == [str(p) for p in digits]
+
+
+def test_explain_an_exported_program_like_the_model_itself(tmp_path, digits):
+    import cli_factory
+
+    model = cli_factory.small_cnn().eval()
+    torch.export.save(torch.export.export(model, (torch.rand(2, 1, 28, 28),)), tmp_path / "cnn.pt2")
+    summaries = []
+    for spec, out in ((tmp_path / "cnn.pt2", "exported"), ("cli_factory:small_cnn", "eager")):
+        result = relprop("explain", *digits, "--model", spec, "--size", 28, "--channels", 1, "--normalize", "none",
+                         "--preset", "epsilon-alpha2-beta1", "--strict", "--out", tmp_path / out, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        summaries.append(json.loads((tmp_path / out / "explain.json").read_text()))
+    assert summaries[0] == summaries[1]
+    assert summaries[0][0]["relevance_sum"] != 0
+    for name in ("digit0_relevance.png", "digit1_overlay.png"):
+        assert np.array_equal(np.asarray(Image.open(tmp_path / "exported" / name)),
+                              np.asarray(Image.open(tmp_path / "eager" / name)))
 
 
 def test_evaluate_prints_aopc(tmp_path, digits):
@@ -86,8 +105,10 @@ def test_explain_dataset_writes_shards_and_an_index(tmp_path, digits):
     (["explain", "x.png", "--model", "no_such_net"], "unknown model 'no_such_net'"),
     (["explain", "x.png", "--model", "resnet18"], "needs --weights"),
     (["explain", "x.png", "--model", "cli_factory:nothing"], "cannot load 'cli_factory:nothing'"),
+    (["explain", "x.png", "--model", "scripted.pt"], "model files must come from torch.export (.pt2)"),
 ])
 def test_clear_errors(tmp_path, args, message):
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), tmp_path / "scripted.pt")
     result = relprop(*args, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 

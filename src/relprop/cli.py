@@ -46,6 +46,10 @@ def load_model(spec: str, weights: str | None = None, random_weights: bool = Fal
         if not Path(spec).is_file():
             raise CommandError(f"no such file: {spec}")
         model = torch.export.load(spec).module()
+    elif Path(spec).is_file():
+        raise CommandError(f"{spec}: model files must come from torch.export (.pt2). TorchScript runs its ops "
+                           "outside Python, where relprop cannot give them rules; export the model with "
+                           "torch.export.export and torch.export.save instead")
     else:
         import torchvision
 
@@ -62,7 +66,8 @@ def load_model(spec: str, weights: str | None = None, random_weights: bool = Fal
         model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
     if not isinstance(model, nn.Module):
         raise CommandError(f"{spec} did not give a torch.nn.Module but {type(model).__name__}")
-    return model.eval()
+    # an exported program computes in the mode it was exported in, and its module refuses .eval()
+    return model if spec.endswith(".pt2") else model.eval()
 
 
 def load_images(paths: list[str], size: int, normalize: str, channels: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import rules
 from .graph import OpCall, is_activation, is_relevance_node, propagate, tap, watch
-from .ops import ALWAYS_HANDLED, HANDLERS, has_activation, op_name
+from .ops import ALWAYS_HANDLED, HANDLERS, from_aten, has_activation, op_name
 
 __all__ = ["Session", "RuleError", "UnsupportedOpError", "UnhandledOpWarning"]
 
@@ -318,6 +318,8 @@ class Session(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         handler = HANDLERS.get(func)
+        if handler is None and (resolved := from_aten(func, args, kwargs)) is not None:
+            handler, func, args, kwargs = resolved
         if self._opaque or (handler not in ALWAYS_HANDLED and not has_activation(args, kwargs)):
             # no activation in: a constant out (also what is computed from parameters alone); inside an
             # activation module, its output becomes one op in the exit hook

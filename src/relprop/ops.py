@@ -23,7 +23,7 @@ from .graph import OpCall, ParametricCall, is_activation, substitute
 from .recurrent import RECURRENT_HANDLERS
 from .rules import inverse_denominator
 
-__all__ = ["HANDLERS", "ALWAYS_HANDLED", "has_activation", "op_name"]
+__all__ = ["HANDLERS", "ALWAYS_HANDLED", "from_aten", "has_activation", "op_name"]
 
 Handler = Callable[[Any, Callable, tuple, dict], Any]
 
@@ -613,3 +613,59 @@ for _dims in (1, 2, 3):
                         _adaptive_average(getattr(F, f"adaptive_avg_pool{_dims}d"))),
               [getattr(F, f"adaptive_max_pool{_dims}d")])
 
+
+
+# ---------------------------------------------------------------- aten ops (torch.export programs)
+
+def _schema_arguments(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
+    names = [argument.name for argument in op._schema.arguments]
+    return {**{argument.name: argument.default_value for argument in op._schema.arguments
+               if argument.has_default_value()}, **dict(zip(names, args)), **kwargs}
+
+
+def _batch_norm_arguments(a: dict) -> tuple:
+    return (a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"], a["training"], a["momentum"],
+            a["eps"])
+
+
+def _embedding_arguments(a: dict) -> tuple:
+    return a["indices"], a["weight"], (a["padding_idx"] if a["padding_idx"] >= 0 else None)
+
+
+#: aten ops whose torch function takes the arguments in another order or fewer of them
+_REORDERED = {
+    "batch_norm": (F.batch_norm, _batch_norm_arguments),
+    "layer_norm": (F.layer_norm, lambda a: (a["input"], a["normalized_shape"], a["weight"], a["bias"], a["eps"])),
+    "group_norm": (F.group_norm, lambda a: (a["input"], a["num_groups"], a["weight"], a["bias"], a["eps"])),
+    "embedding": (F.embedding, _embedding_arguments),
+}
+
+
+#: aten ops that copy or gather entries without a torch function of the same name: routing too
+_ATEN_ROUTING = frozenset("index _to_copy slice_copy select_copy expand_copy view_copy index_select".split())
+
+
+def from_aten(op: Any, args: tuple, kwargs: dict) -> tuple[Handler, Callable, tuple, dict] | None:
+    """The handler for an aten op overload, with the function and arguments to give it; None if none.
+
+    Programs from ``torch.export`` call aten ops (``torch.ops.aten.conv2d.default``)
+    instead of torch functions. An op with a rule resolves to the torch function of
+    the same name, which calls that very op, so the forward is unchanged (a few take
+    their arguments in another order). Views and copies of entries are routing ops
+    and run as they are.
+    """
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+        return None
+    name = op._opname
+    if name in _REORDERED:
+        func, reorder = _REORDERED[name]
+        return HANDLERS[func], func, reorder(_schema_arguments(op, args, kwargs)), {}
+    returns = op._schema.returns
+    if name in _ATEN_ROUTING or (returns and returns[0].alias_info is not None and not op._schema.is_mutable):
+        return _run, op, args, kwargs
+    for namespace in (torch, F, _nn, _T):
+        func = getattr(namespace, name, None)
+        if func is not None and func in HANDLERS:
+            handler = HANDLERS[func]
+            return (handler, op, args, kwargs) if handler is _run else (handler, func, args, kwargs)
+    return None
