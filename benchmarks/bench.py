@@ -73,10 +73,24 @@ def captum_method(model):
     return lambda m, x, target: lrp.attribute(x, target=list(target))
 
 
+def compiled_gradient(model):
+    compiled = torch.compile(model)
+    return lambda m, x, target: plain_gradient(compiled, x, target)
+
+
+def compiled_relprop(model, preset):
+    """An attribution inside a torch.compile'd function (relprop runs eagerly there: a graph break)."""
+    return torch.compile(relprop_method(model, preset))
+
+
 def methods(model, name: str, which: list[str]) -> dict[str, Callable]:
     table = {"gradient": plain_gradient}
+    if "compile" in which:
+        table["gradient, torch.compile'd model"] = compiled_gradient(model)
     for preset in PRESETS:
         table[f"relprop {preset}"] = relprop_method(model, preset)
+        if preset == "epsilon" and "compile" in which:
+            table["relprop epsilon in torch.compile"] = compiled_relprop(model, preset)
         if preset in ZENNIT and "zennit" in which:
             table[f"zennit {preset}"] = zennit_method(model, preset, name)
     if "captum" in which and "vgg" in name:  # captum copies relevance to both summands of a residual +
@@ -175,8 +189,8 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--with", dest="which", nargs="*", default=["zennit", "captum"],
-                        help="references to include: zennit captum")
+    parser.add_argument("--with", dest="which", nargs="*", default=["zennit", "captum", "compile"],
+                        help="references to include: zennit captum compile")
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (one subprocess each)")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -199,7 +213,9 @@ def main() -> None:
             memory_base = peak_memory(name, batch, args.size, "gradient", args.which) if args.memory else None
             for key, seconds in times.items():
                 row = f"| {key} | {seconds:.3f} | {seconds / base:.2f} |"
-                if args.memory:
+                if args.memory and "compile" in key:  # a fresh process would spend minutes compiling
+                    row += " - | - |"
+                elif args.memory:
                     peak = peak_memory(name, batch, args.size, key, args.which)
                     row += f" {peak:.0f} | {peak / memory_base:.2f} |"
                 print(row, flush=True)

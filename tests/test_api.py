@@ -110,6 +110,22 @@ def test_repeated_calls_give_identical_results():
         assert torch.equal(lrp.attribute(x, target=3), first)
 
 
+def test_torch_compile_around_an_attribution_and_of_the_model():
+    model, x = residual_net(), images()
+    expected = relprop.LRP(model, "epsilon-plus").attribute(x, target=3)
+    lrp = relprop.LRP(model, "epsilon-plus")
+
+    @torch.compile
+    def normalised_heatmap(inputs):
+        relevance = lrp.attribute(inputs * 2.0, target=3)
+        return relevance / relevance.abs().amax(dim=(1, 2, 3), keepdim=True)
+
+    scaled = relprop.LRP(model, "epsilon-plus").attribute(x * 2.0, target=3)
+    torch.testing.assert_close(normalised_heatmap(x), scaled / scaled.abs().amax(dim=(1, 2, 3), keepdim=True))
+    assert not torch.equal(scaled, expected)
+    assert torch.equal(relprop.LRP(torch.compile(model), "epsilon-plus").attribute(x, target=3), expected)
+
+
 def test_context_form_with_own_output_relevance():
     model, x = residual_net(), images()
     lrp = relprop.LRP(model, "epsilon-plus")

@@ -145,6 +145,16 @@ def _as_tuple(value: Any) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
+def _eager(method):
+    """Run ``method`` eagerly also inside ``torch.compile``d code.
+
+    Relevance needs every op of the forward pass intercepted one by one, which a
+    compiled graph does not allow: Dynamo breaks the graph here instead of
+    failing, and what the caller compiles around an attribution stays compiled.
+    """
+    return torch.compiler.disable(method, recursive=True)
+
+
 class LRP:
     """Layer-wise relevance propagation for any PyTorch model, with captum's interface.
 
@@ -152,7 +162,10 @@ class LRP:
     ----------
     model : nn.Module
         The model to explain. It is not modified: no parameter, flag, hook or
-        mode outlives a call.
+        mode outlives a call. A ``torch.compile``d model is explained through the
+        module it was compiled from, and calls of this class run eagerly inside
+        compiled functions (a graph break), so compiling code around an
+        attribution works.
     composite : Composite, str or None
         The rules (:mod:`relprop.composites`), a preset name such as
         ``"epsilon-plus-flat"``, or None for ``Epsilon(1e-6)`` on every linear op.
@@ -168,7 +181,8 @@ class LRP:
     def __init__(self, model: nn.Module, composite: composites.Composite | str | None = None, strict: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"relprop: model must be a torch.nn.Module, got {type(model).__name__}")
-        self.model = model
+        # compiled code runs its ops where no rule can reach them: explain the module it was compiled from
+        self.model = model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
         self.composite = composites.get(composite)
         self.strict = strict
 
@@ -196,6 +210,7 @@ class LRP:
         with torch.enable_grad(), session.active():
             yield session
 
+    @_eager
     def forward(self, inputs: Tensor | Sequence[Tensor], additional_forward_args: Any = None, taps=None,
                 audit=None) -> "ForwardPass":
         """Run the model once under the engine, ready for :meth:`ForwardPass.relevance`.
@@ -216,6 +231,7 @@ class LRP:
         embeddings = {_position(leaves, tokens[i]): found for i, found in session.embeddings.items()}
         return ForwardPass(leaves, model_logits(output), embeddings)
 
+    @_eager
     def attribute(self, inputs: Tensor | Sequence[Tensor], target: Target = None,
                   additional_forward_args: Any = None, return_convergence_delta: bool = False):
         """Relevance of every input feature for the model's output at ``target``.
@@ -279,6 +295,7 @@ class ForwardPass:
         self.logits = logits
         self._embeddings = embeddings
 
+    @_eager
     def relevance(self, seed: Tensor) -> tuple[Tensor, ...]:
         """Propagate ``seed`` from the logits: the relevance of each input."""
         explained = [x for x in self.inputs if x.requires_grad]
