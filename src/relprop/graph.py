@@ -216,9 +216,12 @@ class ParametricCall(OpCall):
     def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
         if self._graph is not None:
             return super().vjp(grad)
-        if self._batch_norm is not None:
-            grad = grad * self._output_shape(self._batch_norm[0])
-        return (self._transpose(grad),)
+        if self._batch_norm is None:
+            return (self._transpose(grad),)
+        # the merged BatchNorm's scale goes onto the weight or onto the relevance, whichever is smaller
+        if self._weight.numel() < grad.numel():
+            return (self._transpose(grad, self.weight),)
+        return (self._transpose(grad * self._output_shape(self._batch_norm[0])),)
 
     @property
     def transposable(self) -> bool:
@@ -280,6 +283,30 @@ def propagate(call: OpCall, rule) -> Tensor:
     call.output_dim = out.dim()
     call.release()
     return out
+
+
+class _WriteInto(torch.autograd.Function):
+    """``target.copy_(result)`` whose backward hands the relevance to ``result`` alone.
+
+    A plain ``copy_`` under autograd would also send a tensor of zeros to the
+    overwritten value, and the engine would add it to that value's relevance:
+    two passes over memory for nothing on every in-place op.
+    """
+
+    @staticmethod
+    def forward(ctx, target: Tensor, result: Tensor) -> Tensor:
+        ctx.set_materialize_grads(False)
+        ctx.mark_dirty(target)
+        return target.copy_(result)
+
+    @staticmethod
+    def backward(ctx, relevance: Tensor | None):
+        return None, relevance
+
+
+def write_into(target: Tensor, result: Tensor) -> Tensor:
+    """Write ``result`` into ``target`` in place; in the backward pass ``target``'s relevance goes to ``result``."""
+    return _WriteInto.apply(target, result)
 
 
 class _Watch(torch.autograd.Function):

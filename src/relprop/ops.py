@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .graph import OpCall, ParametricCall, is_activation, substitute
+from .graph import OpCall, ParametricCall, is_activation, substitute, write_into
 from .recurrent import RECURRENT_HANDLERS
 from .rules import inverse_denominator
 
@@ -116,7 +116,7 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
         _protect_before(session, func, target)
         source = target.clone() if keeps_input else target
         result = handler(session, out_of_place, (source, *args[1:]), kwargs)
-        return session.overwritten(target.copy_(result), result)
+        return session.overwritten(write_into(target, result), result)
     return handle
 
 
@@ -132,7 +132,7 @@ def _with_inplace_flag(handler: Handler) -> Handler:
             return func(*args, **kwargs)
         _protect_before(session, func, target)  # elementwise rules keep nothing of their input: no copy
         result = handler(session, func, (), bound)
-        return session.overwritten(target.copy_(result), result)
+        return session.overwritten(write_into(target, result), result)
     return handle
 
 

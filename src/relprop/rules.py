@@ -72,8 +72,9 @@ def inverse_denominator(z: Tensor, epsilon: float) -> Tensor:
     epsilon = _stabilizer(epsilon, z.dtype)
     if epsilon == 0:
         return torch.where(z == 0, 0.0, z.reciprocal())
-    # copysign(eps, 0.0) = +eps; the rare -0.0 gets -eps, the same magnitude
-    return (z + torch.copysign(torch.tensor(epsilon, dtype=z.dtype, device=z.device), z)).reciprocal_()
+    # copysign(eps, 0.0) = +eps; the rare -0.0 gets -eps, the same magnitude. One new tensor, written in place:
+    # on large tensors every fresh allocation costs page faults
+    return torch.copysign(torch.tensor(epsilon, dtype=z.dtype, device=z.device), z).add_(z).reciprocal_()
 
 
 def _sum_to(tensor: Tensor, shape: torch.Size) -> Tensor:
@@ -151,8 +152,10 @@ class Epsilon(Rule):
         call.inverse = inverse_denominator(z, self.epsilon)
 
     def propagate(self, call, relevance):
-        return tuple(None if c is None else x * c
-                     for x, c in zip(call.inputs, call.vjp(relevance * call.inverse)))
+        grads = call.vjp(torch.mul(relevance, call.inverse, out=call.inverse))  # the inverse is read once
+        if call.kind in PARAMETRIC_KINDS:  # fresh tensors from a transposed product: scaled in place
+            return tuple(None if c is None else c.mul_(x) for x, c in zip(call.inputs, grads))
+        return tuple(None if c is None else x * c for x, c in zip(call.inputs, grads))
 
 
 class Norm(Epsilon):
@@ -273,21 +276,39 @@ def _split(relevance: Tensor, outputs: list[Tensor], epsilon: float, groups: Seq
     return grads
 
 
-def _positive_input(call, zero_bias: bool) -> tuple[Tensor, Tensor] | None:
-    """``(x, P)`` with ``P = W+ x + b+`` when the fast form of alpha-beta and gamma applies, else None.
+def _positive_input(call, zero_bias: bool) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(x, P, W+)`` with ``P = W+ x + b+`` when the fast forms of z+, alpha-beta and gamma apply, else None.
 
     On a non-negative input (after a ReLU) the products with ``x-`` vanish and
-    ``W- x + b- = z - P``: one modified forward and two transposed products,
-    the floor. ``z`` is the op's output; where an in-place ReLU has since
-    zeroed it, the relevance arriving there is 0, so every use stays exact.
+    ``W- x + b- = z - P``: one modified forward and one or two transposed
+    products, the floor. ``z`` is the op's output; where an in-place ReLU has
+    since zeroed it, the relevance arriving there is 0, so every use stays exact.
     """
     if zero_bias or call.kind not in PARAMETRIC_KINDS or not getattr(call, "transposable", False):
         return None
     (x,) = call.inputs
-    if call.output is None or bool((x < 0).any()):
+    if bool(x.amin() < 0):  # one reduction pass, no mask tensor
         return None
+    weight = call.weight.clamp(min=0)
     bias = call.bias.clamp(min=0) if call.bias is not None else None
-    return x, call.evaluate(x, call.weight.clamp(min=0), bias)
+    return x, call.evaluate(x, weight, bias), weight
+
+
+def _nonnegative_denominator(z: Tensor, epsilon: float) -> Tensor:
+    """:func:`denominator` of a ``z >= 0`` that the caller owns, in place: ``z + epsilon``."""
+    epsilon = _stabilizer(epsilon, z.dtype)
+    return z.add_(epsilon) if epsilon else z.masked_fill_(z == 0, math.inf)
+
+
+def _nonpositive_denominator(z: Tensor, epsilon: float) -> Tensor:
+    """``z - epsilon`` of a ``z <= 0`` that the caller owns, in place.
+
+    It differs from :func:`denominator` only where ``z == 0``; there every
+    product ``x_i w_ij`` summed into ``z`` is 0 as well, so the relevance is
+    exactly 0 with either sign.
+    """
+    epsilon = _stabilizer(epsilon, z.dtype)
+    return z.sub_(epsilon) if epsilon else z.masked_fill_(z == 0, -math.inf)
 
 
 class ZPlus(BasicRule):
@@ -297,6 +318,15 @@ class ZPlus(BasicRule):
     """
 
     needs_output = False
+
+    def propagate(self, call, relevance):
+        fast = _positive_input(call, self.zero_bias)
+        if fast is None:
+            return super().propagate(call, relevance)
+        # x- = 0: the one term left is x W+ with b+, and its sum P is non-negative
+        x, positive, weight = fast
+        shared = _nonnegative_denominator(positive, self.stabilizer)
+        return (call.transpose_with(torch.div(relevance, shared, out=shared), weight).mul_(x),)
 
     def __init__(self, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.stabilizer = stabilizer
@@ -320,13 +350,13 @@ class AlphaBeta(BasicRule):
         fast = _positive_input(call, self.zero_bias)
         if fast is None:
             return super().propagate(call, relevance)
-        x, positive = fast
-        negative = call.output - positive
-        weight = call.weight
-        positive_share = call.transpose_with(relevance / denominator(positive, self.stabilizer), weight.clamp(min=0))
-        negative_share = call.transpose_with(relevance / denominator(negative, self.stabilizer), weight.clamp(max=0))
-        grad = self.alpha * positive_share - self.beta * negative_share
-        return (x * grad,)
+        x, positive, weight = fast
+        # with x >= 0: P = W+ x + b+ >= 0 and N = W- x + b- = z - P <= 0
+        negative = _nonpositive_denominator(torch.sub(call.output, positive), self.stabilizer)
+        negative_share = call.transpose_with(torch.div(relevance, negative, out=negative), call.weight.clamp(max=0))
+        positive = _nonnegative_denominator(positive, self.stabilizer)
+        positive_share = call.transpose_with(torch.div(relevance, positive, out=positive), weight)
+        return (positive_share.mul_(self.alpha).sub_(negative_share, alpha=self.beta).mul_(x),)
 
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_bias: bool = False):
         if alpha < 0 or beta < 0 or not math.isclose(alpha - beta, 1.0):
@@ -364,14 +394,19 @@ class Gamma(BasicRule):
         fast = _positive_input(call, self.zero_bias)
         if fast is None:
             return super().propagate(call, relevance)
-        x, positive = fast
+        x, positive, weight = fast
         z, gamma = call.output, self.gamma
-        up = relevance * (z > 0) / denominator(z + gamma * positive, self.stabilizer)
-        down = relevance * (z < 0) / denominator(z + gamma * (z - positive), self.stabilizer)
-        # (W + g W+)^T up + (W + g W-)^T down, with W- = W - W+: two transposed products
-        grad = (call.transpose_with(up + (1 + gamma) * down, call.weight)
-                + gamma * call.transpose_with(up - down, call.weight.clamp(min=0)))
-        return (x * grad,)
+        # z > 0: shared by x (W + g W+) over z + g P > 0; z < 0: by x (W + g W-) over (1 + g) z - g P < 0,
+        # as W- x + b- = z - P. One stabilised denominator for both, with z = 0 taking nothing.
+        rising = z > 0
+        shift = positive.mul_(gamma).add_(_stabilizer(self.stabilizer, z.dtype))  # g P + eps
+        stabilised = torch.where(rising, z + shift, torch.mul(z, 1 + gamma).sub_(shift))
+        stabilised.masked_fill_(z == 0, math.inf)
+        shared = torch.div(relevance, stabilised, out=stabilised)
+        # (W + g W+)^T up + (W + g W-)^T down = W^T (up + (1 + g) down) + g W+^T (up - down), W- = W - W+
+        grad = call.transpose_with(torch.where(rising, shared, shared * (1 + gamma)), call.weight)
+        grad.add_(call.transpose_with(torch.where(rising, shared, -shared), weight), alpha=gamma)
+        return (grad.mul_(x),)
 
     def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.gamma, self.stabilizer = gamma, stabilizer
