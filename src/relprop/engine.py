@@ -272,6 +272,10 @@ class Session(TorchFunctionMode):
         if call is not None:
             call.protect()
 
+    def rule_for(self, call: OpCall) -> rules.Rule | None:
+        """The composite's rule for ``call`` in the current module."""
+        return self.composite.rule_for(call, self.module, self.module_name)[0]
+
     def run(self, call: OpCall, rule=None) -> Any:
         """Run ``call`` as a relevance node with its rule (``rule`` or the composite's choice)."""
         source = "inherited from the merged layer"

@@ -52,6 +52,8 @@ class OpCall:
                  linearised: Callable | None = None):
         self.kind = kind
         self.func = func
+        #: whether ``func`` overwrites its one activation input and returns it (see ``ops._in_place_pass``)
+        self.in_place = False
         self.name = name
         self.module_name = module_name
         self.rule = None
@@ -258,7 +260,10 @@ class _Propagate(torch.autograd.Function):
     def forward(ctx, call: OpCall, *activations: Tensor) -> Tensor:
         ctx.call = call
         ctx.set_materialize_grads(False)  # no relevance arriving stays None: nothing to propagate or report
-        return call.run()
+        out = call.run()
+        if call.in_place:  # the op overwrote its input, as in the plain model: this node is its history now
+            ctx.mark_dirty(activations[0])
+        return out
 
     @staticmethod
     def backward(ctx, relevance: Tensor | None):
