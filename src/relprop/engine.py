@@ -266,11 +266,14 @@ class Session(TorchFunctionMode):
                 del table[tensor]
         return tensor
 
-    def protect(self, tensor: Any) -> None:
-        """Before ``tensor`` is modified in place, let the call that produced it keep a copy."""
+    def protect(self, tensor: Any, copy: Tensor | None = None) -> None:
+        """Before ``tensor`` is modified in place, let the call that produced it keep what it needs.
+
+        ``copy``, a copy of ``tensor`` that nothing will modify, serves instead of one of its own.
+        """
         call = self.producers.get(tensor) if isinstance(tensor, Tensor) else None
         if call is not None:
-            call.protect()
+            call.protect(copy)
 
     def rule_for(self, call: OpCall) -> rules.Rule | None:
         """The composite's rule for ``call`` in the current module."""

@@ -142,9 +142,16 @@ class OpCall:
         if not self.rule.needs_output and (self._prepared or not self.rule.prepares):
             self.output = None
 
-    def protect(self) -> None:
-        """Before user code modifies the output in place: prepare now, and copy it if the rule reads it later."""
+    def protect(self, copy: Tensor | None = None) -> None:
+        """Before user code modifies the output in place: prepare now, and copy it if the rule reads it later.
+
+        ``copy`` is a copy of the output that nothing will modify: the rule reads
+        it when the relevance comes, and nothing more is kept.
+        """
         if self.rule is None or self.output is None:
+            return
+        if copy is not None:
+            self.output = copy.detach()  # no reference into the autograd graph: it would close a cycle
             return
         self.prepare()
         if self.rule.needs_output:

@@ -132,10 +132,14 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
     """
     def handle(session, func, args, kwargs):
         target = args[0]
-        _protect_before(session, func, target)
-        if not keeps_input and (out := _in_place_pass(session, func, args, kwargs, tag)) is not None:
-            return out
-        source = target.clone() if keeps_input else target
+        if keeps_input:  # one copy serves this op's rule and the target's producer
+            source = target.clone()
+            session.protect(target, copy=source)
+        else:
+            _protect_before(session, func, target)
+            if (out := _in_place_pass(session, func, args, kwargs, tag)) is not None:
+                return out
+            source = target
         result = handler(session, out_of_place, (source, *args[1:]), kwargs)
         return session.overwritten(write_into(target, result), result)
     return handle
