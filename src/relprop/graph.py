@@ -216,6 +216,10 @@ class ParametricCall(OpCall):
     def release(self) -> None:
         """Keep the data input: a BatchNorm that follows builds its merged node on it."""
 
+    def finish(self) -> None:
+        super().finish()
+        self._merged = None  # merged weights: a copy of the layer's weights each, kept until the graph is freed
+
     def run(self) -> Tensor:
         if self._value is not None:  # a merged call: the output was computed by the BatchNorm itself
             value, self._value = self._value, None

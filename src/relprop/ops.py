@@ -123,12 +123,12 @@ def _in_place_pass(session, func, args, kwargs, tag: str | None) -> Tensor | Non
 
 
 def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True, tag: str | None = None) -> Handler:
-    """Handle ``x.op_(...)`` as ``x.copy_(op(x, ...))``.
+    """Handle ``x.op_(...)`` as ``x.copy_(op(x, ...))``, or as it is (see :func:`_in_place_pass`).
 
     If the op's rule may keep its input for the backward pass
     (``keeps_input``), it works on a copy of the target, so that nothing it
     saved changes; ``copy_`` keeps the in-place meaning for callers that
-    ignore the result.
+    ignore the result. ``tag`` is the one ``handler`` gives its output.
     """
     def handle(session, func, args, kwargs):
         target = args[0]
