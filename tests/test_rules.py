@@ -81,12 +81,15 @@ RULES = {
     "alpha2beta1": rules.AlphaBeta(2.0, 1.0, stabilizer=1e-3),
     "alpha1beta0": rules.AlphaBeta(1.0, 0.0),
     "gamma": rules.Gamma(0.5, stabilizer=1e-3),
+    "gamma-unstabilised": rules.Gamma(0.5, stabilizer=0.0),
+    "gamma0": rules.Gamma(0.0, stabilizer=1e-3),
     "flat": rules.Flat(),
     "wsquare": rules.WSquare(),
 }
 
 
-@pytest.mark.parametrize("sign", ["signed", "nonnegative"])  # non-negative inputs take the fast forms
+# non-negative inputs take the fast forms; an input of zeros without bias gives z = 0 (no relevance, no NaN)
+@pytest.mark.parametrize("sign", ["signed", "nonnegative", "nonnegative-zero"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("layer_name", LAYERS)
 @pytest.mark.parametrize("rule_name", RULES)
@@ -98,8 +101,10 @@ def test_rule_matches_matrix_form(layer_name, rule_name, bias, sign):
             layer.bias.uniform_(-0.5, 0.5)
     rule = RULES[rule_name]
     x = torch.randn(2, *in_shape, dtype=torch.float64)
-    if sign == "nonnegative":
+    if sign != "signed":
         x = x.relu()
+    if sign == "nonnegative-zero":
+        x[1] = 0.0
     out = layer(x)
     R = torch.randn_like(out)
     attributed = relprop.LRP(layer, relprop.Composite(conv=rule, dense=rule)).attribute(x, target=R)

@@ -103,32 +103,32 @@ def _protect_before(session, func, target: Tensor) -> None:
         session.protect(target)
 
 
-def _in_place_pass(session, func, args, kwargs, tag: str | None) -> Tensor | None:
+def _in_place_pass(session, func, args, kwargs, handler: Handler) -> Tensor | None:
     """Run an elementwise in-place op as it is, when its rule passes relevance through; else None.
 
     The rule then reads nothing but the input's shape, so the op may overwrite
     its input as in the plain model: no new tensor, no copy back. This is the
-    in-place ReLU of most CNNs.
+    in-place ReLU of most CNNs. The output gets the tag ``handler`` would give it.
     """
     call = OpCall("elementwise", func, args, kwargs, op_name(func), session.module_name)
     if len(call.inputs) != 1 or type(session.rule_for(call)) is not Pass:
         return None
     call.in_place = True
     out = session.run(call)
-    if tag is not None:
+    if (tag := getattr(handler, "tag", None)) is not None:
         session.tags[out] = tag
     else:
         session.tags.pop(out, None)
     return out
 
 
-def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True, tag: str | None = None) -> Handler:
+def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True) -> Handler:
     """Handle ``x.op_(...)`` as ``x.copy_(op(x, ...))``, or as it is (see :func:`_in_place_pass`).
 
     If the op's rule may keep its input for the backward pass
     (``keeps_input``), it works on a copy of the target, so that nothing it
     saved changes; ``copy_`` keeps the in-place meaning for callers that
-    ignore the result. ``tag`` is the one ``handler`` gives its output.
+    ignore the result.
     """
     def handle(session, func, args, kwargs):
         target = args[0]
@@ -137,7 +137,7 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
             session.protect(target, copy=source)
         else:
             _protect_before(session, func, target)
-            if (out := _in_place_pass(session, func, args, kwargs, tag)) is not None:
+            if (out := _in_place_pass(session, func, args, kwargs, handler)) is not None:
                 return out
             source = target
         result = handler(session, out_of_place, (source, *args[1:]), kwargs)
@@ -145,7 +145,7 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
     return handle
 
 
-def _with_inplace_flag(handler: Handler, tag: str | None = None) -> Handler:
+def _with_inplace_flag(handler: Handler) -> Handler:
     """Functional ops with an ``inplace=`` argument (``F.relu(x, inplace=True)``)."""
     def handle(session, func, args, kwargs):
         bound = _bind(func, args, kwargs)
@@ -156,7 +156,7 @@ def _with_inplace_flag(handler: Handler, tag: str | None = None) -> Handler:
         if not is_activation(target):
             return func(*args, **kwargs)
         _protect_before(session, func, target)  # elementwise rules keep nothing of their input: no copy
-        if (out := _in_place_pass(session, func, args, kwargs, tag)) is not None:
+        if (out := _in_place_pass(session, func, args, kwargs, handler)) is not None:
             return out
         result = handler(session, func, (), bound)
         return session.overwritten(write_into(target, result), result)
@@ -342,6 +342,7 @@ def _elementwise(tag: str | None = None) -> Handler:
         if tag is not None:
             session.tags[out] = tag
         return out
+    handle.tag = tag
     return handle
 
 
@@ -600,18 +601,18 @@ _activation = _elementwise("activation")
 _register(_elementwise_pass, _lookup(torch, _ELEMENTWISE), _lookup(_T, _ELEMENTWISE), _lookup(F, "normalize"))
 _register(_activation, _lookup(torch, _ACTIVATIONS), _lookup(_T, _ACTIVATIONS),
           _lookup(F, "gelu softplus logsigmoid softsign tanhshrink prelu tanh"))
-_register(_with_inplace_flag(_activation, "activation"),
+_register(_with_inplace_flag(_activation),
           _lookup(F, "relu relu6 hardtanh leaky_relu elu selu celu silu mish hardswish rrelu threshold"))
 _register(_elementwise("statistic"), _lookup(torch, "rsqrt"), _lookup(_T, "rsqrt"))
 _register(_elementwise("sigmoid"), _lookup(torch, "sigmoid"), _lookup(_T, "sigmoid"), [F.sigmoid])
-_register(_with_inplace_flag(_elementwise("sigmoid"), "sigmoid"), [F.hardsigmoid])
+_register(_with_inplace_flag(_elementwise("sigmoid")), [F.hardsigmoid])
 for _name in "relu exp sqrt rsqrt abs neg reciprocal pow clamp clip tanh".split():
     _register(_in_place(getattr(_T, _name), _elementwise_pass, keeps_input=False),
               _lookup(_T, f"{_name}_"), _lookup(torch, f"{_name}_"))
-_register(_in_place(_T.sigmoid, _elementwise("sigmoid"), keeps_input=False, tag="sigmoid"),
+_register(_in_place(_T.sigmoid, _elementwise("sigmoid"), keeps_input=False),
           _lookup(_T, "sigmoid_"), _lookup(torch, "sigmoid_"))
 for _function in (F.relu, F.elu, F.leaky_relu, F.hardtanh):
-    _register(_in_place(_function, _activation, keeps_input=False, tag="activation"),
+    _register(_in_place(_function, _activation, keeps_input=False),
               _lookup(F, f"{_function.__name__}_"))
 
 _MUL, _DIV, _MATMUL = "mul multiply __rmul__", "div divide true_divide __rdiv__ __rtruediv__ __truediv__", \

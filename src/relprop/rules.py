@@ -152,10 +152,15 @@ class Epsilon(Rule):
         call.inverse = inverse_denominator(z, self.epsilon)
 
     def propagate(self, call, relevance):
-        grads = call.vjp(torch.mul(relevance, call.inverse, out=call.inverse))  # the inverse is read once
+        scaled = torch.mul(relevance, call.inverse, out=call.inverse)  # the inverse is read once
+        grads = call.vjp(scaled)
         if call.kind in PARAMETRIC_KINDS:  # fresh tensors from a transposed product: scaled in place
             return tuple(None if c is None else c.mul_(x) for x, c in zip(call.inputs, grads))
-        return tuple(None if c is None else x * c for x, c in zip(call.inputs, grads))
+        # a sum hands `scaled` itself to its inputs: ours, so the last input to read it may write into it
+        last = max((i for i, c in enumerate(grads) if c is not None), default=None)
+        owned = last is not None and grads[last] is scaled and scaled.shape == call.inputs[last].shape
+        return tuple(None if c is None else c.mul_(x) if owned and i == last else x * c
+                     for i, (x, c) in enumerate(zip(call.inputs, grads)))
 
 
 class Norm(Epsilon):
@@ -233,7 +238,13 @@ class BasicRule(Rule):
         self._reducer = reducer or _weighted_sum
         self.zero_bias = zero_bias
 
+    #: ``propagate_positive(call, relevance, x, P, W+) -> Tensor``, the rule's fast form on a non-negative
+    #: input (``P = W+ x + b+``), or None if it has none. Used when :func:`_positive_input` applies.
+    propagate_positive: Callable[..., Tensor] | None = None
+
     def propagate(self, call, relevance):
+        if self.propagate_positive is not None and (fast := _positive_input(call, self.zero_bias)) is not None:
+            return (self.propagate_positive(call, relevance, *fast),)
         (x,) = call.inputs
         inputs, outputs, live = [], [], []
         with torch.enable_grad():
@@ -319,14 +330,10 @@ class ZPlus(BasicRule):
 
     needs_output = False
 
-    def propagate(self, call, relevance):
-        fast = _positive_input(call, self.zero_bias)
-        if fast is None:
-            return super().propagate(call, relevance)
+    def propagate_positive(self, call, relevance, x, positive, weight):
         # x- = 0: the one term left is x W+ with b+, and its sum P is non-negative
-        x, positive, weight = fast
         shared = _nonnegative_denominator(positive, self.stabilizer)
-        return (call.transpose_with(torch.div(relevance, shared, out=shared), weight).mul_(x),)
+        return call.transpose_with(torch.div(relevance, shared, out=shared), weight).mul_(x)
 
     def __init__(self, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.stabilizer = stabilizer
@@ -346,17 +353,13 @@ class AlphaBeta(BasicRule):
 
     needs_output = True  # the fast form on non-negative inputs reads z
 
-    def propagate(self, call, relevance):
-        fast = _positive_input(call, self.zero_bias)
-        if fast is None:
-            return super().propagate(call, relevance)
-        x, positive, weight = fast
+    def propagate_positive(self, call, relevance, x, positive, weight):
         # with x >= 0: P = W+ x + b+ >= 0 and N = W- x + b- = z - P <= 0
         negative = _nonpositive_denominator(torch.sub(call.output, positive), self.stabilizer)
         negative_share = call.transpose_with(torch.div(relevance, negative, out=negative), call.weight.clamp(max=0))
         positive = _nonnegative_denominator(positive, self.stabilizer)
         positive_share = call.transpose_with(torch.div(relevance, positive, out=positive), weight)
-        return (positive_share.mul_(self.alpha).sub_(negative_share, alpha=self.beta).mul_(x),)
+        return positive_share.mul_(self.alpha).sub_(negative_share, alpha=self.beta).mul_(x)
 
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_bias: bool = False):
         if alpha < 0 or beta < 0 or not math.isclose(alpha - beta, 1.0):
@@ -390,23 +393,22 @@ class Gamma(BasicRule):
 
     needs_output = True
 
-    def propagate(self, call, relevance):
-        fast = _positive_input(call, self.zero_bias)
-        if fast is None:
-            return super().propagate(call, relevance)
-        x, positive, weight = fast
+    def propagate_positive(self, call, relevance, x, positive, weight):
         z, gamma = call.output, self.gamma
-        # z > 0: shared by x (W + g W+) over z + g P > 0; z < 0: by x (W + g W-) over (1 + g) z - g P < 0,
-        # as W- x + b- = z - P. One stabilised denominator for both, with z = 0 taking nothing.
-        rising = z > 0
-        shift = positive.mul_(gamma).add_(_stabilizer(self.stabilizer, z.dtype))  # g P + eps
-        stabilised = torch.where(rising, z + shift, torch.mul(z, 1 + gamma).sub_(shift))
-        stabilised.masked_fill_(z == 0, math.inf)
-        shared = torch.div(relevance, stabilised, out=stabilised)
-        # (W + g W+)^T up + (W + g W-)^T down = W^T (up + (1 + g) down) + g W+^T (up - down), W- = W - W+
-        grad = call.transpose_with(torch.where(rising, shared, shared * (1 + gamma)), call.weight)
-        grad.add_(call.transpose_with(torch.where(rising, shared, -shared), weight), alpha=gamma)
-        return (grad.mul_(x),)
+        shrink = 1 / (1 + gamma)
+        # z > 0: x (W + g W+) shares R over z + t, with t = g P + eps; z < 0: x (W + g W-) over (1 + g) z - t,
+        # as W- x + b- = z - P. Divided by 1 + g, that is z - t / (1 + g). So with w = 1 where z > 0 and
+        # w = -1 / (1 + g) where z < 0, one quotient a = R / (z + w t) serves both, and as W- = W - W+:
+        # (W + g W+)^T up + (W + g W-)^T down = W^T a + g W+^T (w a). No masks, no where: each is a pass.
+        rise, fall = 1.0, -1 / (1 + gamma)
+        # w = ((rise - fall) s + (rise + fall) s^2) / 2 of s = sign(z): also 0 at z = 0, so that a = R / 0 there
+        w = torch.sign(z).mul_((rise - fall) / 2)
+        w.addcmul_(w, w, value=2 * (rise + fall) / (rise - fall) ** 2)
+        shared = positive.mul_(gamma).add_(_stabilizer(self.stabilizer, z.dtype)).mul_(w).add_(z)
+        # |z + w t| >= |z| elsewhere (w and z share a sign, t >= 0): only z = 0 is not finite, and takes nothing
+        shared = torch.div(relevance, shared, out=shared).nan_to_num_(0.0, 0.0, 0.0)
+        grad = call.transpose_with(shared, call.weight)
+        return grad.add_(call.transpose_with(w.mul_(shared), weight), alpha=gamma).mul_(x)
 
     def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.gamma, self.stabilizer = gamma, stabilizer
