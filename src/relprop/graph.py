@@ -27,6 +27,15 @@ def is_activation(value: Any) -> bool:
     return isinstance(value, Tensor) and value.requires_grad and not isinstance(value, torch.nn.Parameter)
 
 
+def _holds_activation(value: Any) -> bool:
+    """Whether a list, tuple or dict holds an activation, at any depth."""
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return False
+    return any(is_activation(v) or _holds_activation(v) for v in value)
+
+
 class OpCall:
     """One operation of the forward pass, as its rule sees it.
 
@@ -60,10 +69,12 @@ class OpCall:
         #: called as ``audit(call, relevance, input_relevances)`` after each propagation, if set
         self.audit: Callable | None = None
         self._linearised = linearised or func
-        if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
+        if any(_holds_activation(a) for a in args) or any(map(is_activation, kwargs.values())) \
+                or any(_holds_activation(v) for v in kwargs.values()):
             leaves, self._spec = tree_flatten((args, kwargs))
-        else:  # the common case, flat positional arguments: no pytree needed
-            leaves, self._spec = list(args), None
+            self._constants = {}
+        else:  # the common case, activations among the positional arguments only: no pytree needed
+            leaves, self._spec, self._constants = list(args), None, kwargs
         self._slots = [i for i, leaf in enumerate(leaves) if is_activation(leaf)]
         self._outer: tuple[Tensor, ...] | None = tuple(leaves[i] for i in self._slots)
         self.inputs: tuple[Tensor, ...] = tuple(x.detach() for x in self._outer)
@@ -95,7 +106,7 @@ class OpCall:
         for slot, value in zip(self._slots, inputs):
             leaves[slot] = value
         if self._spec is None:
-            return func(*leaves)
+            return func(*leaves, **self._constants)
         args, kwargs = tree_unflatten(leaves, self._spec)
         return func(*args, **kwargs)
 

@@ -64,7 +64,9 @@ def denominator(z: Tensor, epsilon: float) -> Tensor:
     epsilon = _stabilizer(epsilon, z.dtype)
     if epsilon == 0:
         return torch.where(z == 0, math.inf, z)
-    return torch.where(z >= 0, z + epsilon, z - epsilon)
+    # eps * (1 - 2 [z < 0]) + z, bitwise z + eps or z - eps, with one new tensor: torch.where costs
+    # several passes over memory on CPU, and every fresh tensor page faults
+    return torch.lt(z, 0, out=torch.empty_like(z)).mul_(-2 * epsilon).add_(epsilon).add_(z)
 
 
 def inverse_denominator(z: Tensor, epsilon: float) -> Tensor:
@@ -238,13 +240,16 @@ class BasicRule(Rule):
         self._reducer = reducer or _weighted_sum
         self.zero_bias = zero_bias
 
-    #: ``propagate_positive(call, relevance, x, P, W+) -> Tensor``, the rule's fast form on a non-negative
-    #: input (``P = W+ x + b+``), or None if it has none. Used when :func:`_positive_input` applies.
-    propagate_positive: Callable[..., Tensor] | None = None
+    #: ``propagate_split(call, relevance, split) -> Tensor``: the rule's fast form on an input split by sign
+    #: (see :class:`_Split`), or None if it has none
+    propagate_split: Callable[..., Tensor] | None = None
+    #: whether that fast form takes inputs of both signs; else only non-negative ones (after a ReLU)
+    splits_signed: bool = False
 
     def propagate(self, call, relevance):
-        if self.propagate_positive is not None and (fast := _positive_input(call, self.zero_bias)) is not None:
-            return (self.propagate_positive(call, relevance, *fast),)
+        if self.propagate_split is not None and \
+                (split := _split_input(call, self.zero_bias, self.splits_signed)) is not None:
+            return (self.propagate_split(call, relevance, split),)
         (x,) = call.inputs
         inputs, outputs, live = [], [], []
         with torch.enable_grad():
@@ -287,22 +292,41 @@ def _split(relevance: Tensor, outputs: list[Tensor], epsilon: float, groups: Seq
     return grads
 
 
-def _positive_input(call, zero_bias: bool) -> tuple[Tensor, Tensor, Tensor] | None:
-    """``(x, P, W+)`` with ``P = W+ x + b+`` when the fast forms of z+, alpha-beta and gamma apply, else None.
+@dataclass
+class _Split:
+    """A parametric op's input split by sign, for the fast forms of z+, alpha-beta and gamma.
 
-    On a non-negative input (after a ReLU) the products with ``x-`` vanish and
-    ``W- x + b- = z - P``: one modified forward and one or two transposed
-    products, the floor. ``z`` is the op's output; where an in-place ReLU has
-    since zeroed it, the relevance arriving there is 0, so every use stays exact.
+    ``positive`` is ``P = W+ x+ + W- x- + b+``, the sum of all positive
+    contributions, so that ``z - P`` is the sum of all negative ones: one
+    modified forward (two on signed inputs) instead of one per term, and
+    transposed products only. On a non-negative input (after a ReLU) ``x_neg``
+    and ``w_neg`` are None and ``P = W+ x + b+``. ``z`` is the op's output;
+    where an in-place ReLU has since zeroed it, the relevance arriving there is
+    0, so every use stays exact.
     """
+
+    x_pos: Tensor
+    x_neg: Tensor | None
+    positive: Tensor
+    w_pos: Tensor
+    w_neg: Tensor | None
+
+
+def _split_input(call, zero_bias: bool, signed: bool) -> _Split | None:
+    """The op's input split by sign when a fast form applies (``signed``: also to negative entries), else None."""
     if zero_bias or call.kind not in PARAMETRIC_KINDS or not getattr(call, "transposable", False):
         return None
     (x,) = call.inputs
-    if bool(x.amin() < 0):  # one reduction pass, no mask tensor
+    nonnegative = not bool(x.amin() < 0)  # one reduction pass, no mask tensor
+    if not (nonnegative or signed):
         return None
-    weight = call.weight.clamp(min=0)
-    bias = call.bias.clamp(min=0) if call.bias is not None else None
-    return x, call.evaluate(x, weight, bias), weight
+    w_pos = call.weight.clamp(min=0)
+    b_pos = call.bias.clamp(min=0) if call.bias is not None else None
+    if nonnegative:
+        return _Split(x, None, call.evaluate(x, w_pos, b_pos), w_pos, None)
+    x_pos, x_neg, w_neg = x.clamp(min=0), x.clamp(max=0), call.weight.clamp(max=0)
+    positive = call.evaluate(x_pos, w_pos, b_pos).add_(call.evaluate(x_neg, w_neg, None))
+    return _Split(x_pos, x_neg, positive, w_pos, w_neg)
 
 
 def _nonnegative_denominator(z: Tensor, epsilon: float) -> Tensor:
@@ -330,10 +354,15 @@ class ZPlus(BasicRule):
 
     needs_output = False
 
-    def propagate_positive(self, call, relevance, x, positive, weight):
-        # x- = 0: the one term left is x W+ with b+, and its sum P is non-negative
-        shared = _nonnegative_denominator(positive, self.stabilizer)
-        return call.transpose_with(torch.div(relevance, shared, out=shared), weight).mul_(x)
+    splits_signed = True
+
+    def propagate_split(self, call, relevance, split):
+        shared = _nonnegative_denominator(split.positive, self.stabilizer)  # P >= 0
+        shared = torch.div(relevance, shared, out=shared)
+        grad = call.transpose_with(shared, split.w_pos).mul_(split.x_pos)
+        if split.x_neg is None:
+            return grad
+        return grad.add_(call.transpose_with(shared, split.w_neg).mul_(split.x_neg))
 
     def __init__(self, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.stabilizer = stabilizer
@@ -351,15 +380,24 @@ class AlphaBeta(BasicRule):
     and ``x- w+`` with ``b-``. Requires ``alpha - beta = 1``.
     """
 
-    needs_output = True  # the fast form on non-negative inputs reads z
+    needs_output = True  # the fast form reads z
 
-    def propagate_positive(self, call, relevance, x, positive, weight):
-        # with x >= 0: P = W+ x + b+ >= 0 and N = W- x + b- = z - P <= 0
-        negative = _nonpositive_denominator(torch.sub(call.output, positive), self.stabilizer)
-        negative_share = call.transpose_with(torch.div(relevance, negative, out=negative), call.weight.clamp(max=0))
-        positive = _nonnegative_denominator(positive, self.stabilizer)
-        positive_share = call.transpose_with(torch.div(relevance, positive, out=positive), weight)
-        return positive_share.mul_(self.alpha).sub_(negative_share, alpha=self.beta).mul_(x)
+    splits_signed = True
+
+    def propagate_split(self, call, relevance, split):
+        # P >= 0 and N = z - P <= 0: the sums of the positive and of the negative contributions
+        negative = _nonpositive_denominator(torch.sub(call.output, split.positive), self.stabilizer)
+        negative = torch.div(relevance, negative, out=negative)
+        positive = _nonnegative_denominator(split.positive, self.stabilizer)
+        positive = torch.div(relevance, positive, out=positive)
+        w_neg = split.w_neg if split.w_neg is not None else call.weight.clamp(max=0)
+        # x+ takes positive contributions through W+ and negative ones through W-; x- the other way round
+        grad = call.transpose_with(positive, split.w_pos).mul_(self.alpha)
+        grad = grad.sub_(call.transpose_with(negative, w_neg), alpha=self.beta).mul_(split.x_pos)
+        if split.x_neg is None:
+            return grad
+        other = call.transpose_with(positive, w_neg).mul_(self.alpha)
+        return grad.add_(other.sub_(call.transpose_with(negative, split.w_pos), alpha=self.beta).mul_(split.x_neg))
 
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_bias: bool = False):
         if alpha < 0 or beta < 0 or not math.isclose(alpha - beta, 1.0):
@@ -393,7 +431,7 @@ class Gamma(BasicRule):
 
     needs_output = True
 
-    def propagate_positive(self, call, relevance, x, positive, weight):
+    def propagate_split(self, call, relevance, split):
         z, gamma = call.output, self.gamma
         shrink = 1 / (1 + gamma)
         # z > 0: x (W + g W+) shares R over z + t, with t = g P + eps; z < 0: x (W + g W-) over (1 + g) z - t,
@@ -404,11 +442,11 @@ class Gamma(BasicRule):
         # w = ((rise - fall) s + (rise + fall) s^2) / 2 of s = sign(z): also 0 at z = 0, so that a = R / 0 there
         w = torch.sign(z).mul_((rise - fall) / 2)
         w.addcmul_(w, w, value=2 * (rise + fall) / (rise - fall) ** 2)
-        shared = positive.mul_(gamma).add_(_stabilizer(self.stabilizer, z.dtype)).mul_(w).add_(z)
+        shared = split.positive.mul_(gamma).add_(_stabilizer(self.stabilizer, z.dtype)).mul_(w).add_(z)
         # |z + w t| >= |z| elsewhere (w and z share a sign, t >= 0): only z = 0 is not finite, and takes nothing
         shared = torch.div(relevance, shared, out=shared).nan_to_num_(0.0, 0.0, 0.0)
         grad = call.transpose_with(shared, call.weight)
-        return grad.add_(call.transpose_with(w.mul_(shared), weight), alpha=gamma).mul_(x)
+        return grad.add_(call.transpose_with(w.mul_(shared), split.w_pos), alpha=gamma).mul_(split.x_pos)
 
     def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.gamma, self.stabilizer = gamma, stabilizer
