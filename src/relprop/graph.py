@@ -146,6 +146,8 @@ class OpCall:
         self.inputs = None
         self.output = None
         self._graph = None
+        # the arguments hold the inputs too, and the call lives as long as the autograd graph: to its end
+        self._leaves = self._outer = None
         self.__dict__.pop("inverse", None)
 
     def settle(self) -> None:

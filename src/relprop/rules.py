@@ -307,9 +307,14 @@ class _Split:
 
     x_pos: Tensor
     x_neg: Tensor | None
-    positive: Tensor
+    positive: Tensor | None
     w_pos: Tensor
     w_neg: Tensor | None
+
+    def take_positive(self) -> Tensor:
+        """``positive``, handed over: the rule writes into it, and it is freed as soon as the rule lets go."""
+        positive, self.positive = self.positive, None
+        return positive
 
 
 def _split_input(call, zero_bias: bool, signed: bool) -> _Split | None:
@@ -357,7 +362,7 @@ class ZPlus(BasicRule):
     splits_signed = True
 
     def propagate_split(self, call, relevance, split):
-        shared = _nonnegative_denominator(split.positive, self.stabilizer)  # P >= 0
+        shared = _nonnegative_denominator(split.take_positive(), self.stabilizer)  # P >= 0
         shared = torch.div(relevance, shared, out=shared)
         grad = call.transpose_with(shared, split.w_pos).mul_(split.x_pos)
         if split.x_neg is None:
@@ -385,19 +390,21 @@ class AlphaBeta(BasicRule):
     splits_signed = True
 
     def propagate_split(self, call, relevance, split):
-        # P >= 0 and N = z - P <= 0: the sums of the positive and of the negative contributions
+        # P >= 0 and N = z - P <= 0: the sums of the positive and of the negative contributions. x+ takes the
+        # positive ones through W+ and the negative ones through W-, x- the other way round. Each quotient
+        # is freed once its products are done: at most four map-sized tensors at once, the relevance included.
+        w_neg = split.w_neg if split.w_neg is not None else call.weight.clamp(max=0)
         negative = _nonpositive_denominator(torch.sub(call.output, split.positive), self.stabilizer)
         negative = torch.div(relevance, negative, out=negative)
-        positive = _nonnegative_denominator(split.positive, self.stabilizer)
+        on_pos = call.transpose_with(negative, w_neg).mul_(-self.beta)
+        on_neg = None if split.x_neg is None else call.transpose_with(negative, split.w_pos).mul_(-self.beta)
+        del negative
+        positive = _nonnegative_denominator(split.take_positive(), self.stabilizer)
         positive = torch.div(relevance, positive, out=positive)
-        w_neg = split.w_neg if split.w_neg is not None else call.weight.clamp(max=0)
-        # x+ takes positive contributions through W+ and negative ones through W-; x- the other way round
-        grad = call.transpose_with(positive, split.w_pos).mul_(self.alpha)
-        grad = grad.sub_(call.transpose_with(negative, w_neg), alpha=self.beta).mul_(split.x_pos)
-        if split.x_neg is None:
+        grad = on_pos.add_(call.transpose_with(positive, split.w_pos), alpha=self.alpha).mul_(split.x_pos)
+        if on_neg is None:
             return grad
-        other = call.transpose_with(positive, w_neg).mul_(self.alpha)
-        return grad.add_(other.sub_(call.transpose_with(negative, split.w_pos), alpha=self.beta).mul_(split.x_neg))
+        return grad.add_(on_neg.add_(call.transpose_with(positive, w_neg), alpha=self.alpha).mul_(split.x_neg))
 
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_bias: bool = False):
         if alpha < 0 or beta < 0 or not math.isclose(alpha - beta, 1.0):
@@ -442,11 +449,13 @@ class Gamma(BasicRule):
         # w = ((rise - fall) s + (rise + fall) s^2) / 2 of s = sign(z): also 0 at z = 0, so that a = R / 0 there
         w = torch.sign(z).mul_((rise - fall) / 2)
         w.addcmul_(w, w, value=2 * (rise + fall) / (rise - fall) ** 2)
-        shared = split.positive.mul_(gamma).add_(_stabilizer(self.stabilizer, z.dtype)).mul_(w).add_(z)
+        shared = split.take_positive().mul_(gamma).add_(_stabilizer(self.stabilizer, z.dtype)).mul_(w).add_(z)
         # |z + w t| >= |z| elsewhere (w and z share a sign, t >= 0): only z = 0 is not finite, and takes nothing
         shared = torch.div(relevance, shared, out=shared).nan_to_num_(0.0, 0.0, 0.0)
         grad = call.transpose_with(shared, call.weight)
-        return grad.add_(call.transpose_with(w.mul_(shared), split.w_pos), alpha=gamma).mul_(split.x_pos)
+        w = w.mul_(shared)
+        del shared  # freed before the second product: one map-sized tensor less at the peak
+        return grad.add_(call.transpose_with(w, split.w_pos), alpha=gamma).mul_(split.x_pos)
 
     def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.gamma, self.stabilizer = gamma, stabilizer
@@ -481,7 +490,23 @@ class ZBox(BasicRule):
     The bound images are padded exactly like the input.
     """
 
-    needs_output = False
+    needs_output = True  # the fast form reads x W as z - b
+
+    def propagate(self, call, relevance):
+        if not getattr(call, "transposable", False):
+            return super().propagate(call, relevance)
+        # x W - l W+ - h W-: x W is the output less its bias; bounds shared by the batch are evaluated once
+        (x,) = call.inputs
+        low, high = _bound_image(self.low, x), _bound_image(self.high, x)
+        w_pos, w_neg = call.weight.clamp(min=0), call.weight.clamp(max=0)
+        z = call.output - call.bias_term() if call.bias is not None else call.output.clone()
+        z = z.sub_(call.evaluate(low, w_pos, None)).sub_(call.evaluate(high, w_neg, None))
+        shared = denominator(z, self.stabilizer)
+        del z
+        shared = torch.div(relevance, shared, out=shared)
+        grad = call.transpose_with(shared, call.weight).mul_(x)
+        grad.sub_(call.transpose_with(shared, w_pos).mul_(low))
+        return (grad.sub_(call.transpose_with(shared, w_neg).mul_(high)),)
 
     def __init__(self, low: float | Tensor, high: float | Tensor, stabilizer: float = 1e-6):
         self.low, self.high, self.stabilizer = low, high, stabilizer
@@ -502,6 +527,13 @@ class ZBox(BasicRule):
             mapper,
             reduce,
         )
+
+
+def _bound_image(value: float | Tensor, x: Tensor) -> Tensor:
+    """A bound as an input image: of one example where it is the same for every example, else of the batch."""
+    bound = torch.as_tensor(value, dtype=x.dtype, device=x.device)
+    per_example = bound.dim() == x.dim() and bound.shape[0] != 1
+    return bound.expand_as(x if per_example else x[:1])
 
 
 def _ones(tensor: Tensor) -> Tensor:
