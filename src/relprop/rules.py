@@ -440,7 +440,6 @@ class Gamma(BasicRule):
 
     def propagate_split(self, call, relevance, split):
         z, gamma = call.output, self.gamma
-        shrink = 1 / (1 + gamma)
         # z > 0: x (W + g W+) shares R over z + t, with t = g P + eps; z < 0: x (W + g W-) over (1 + g) z - t,
         # as W- x + b- = z - P. Divided by 1 + g, that is z - t / (1 + g). So with w = 1 where z > 0 and
         # w = -1 / (1 + g) where z < 0, one quotient a = R / (z + w t) serves both, and as W- = W - W+:
@@ -511,11 +510,6 @@ class ZBox(BasicRule):
     def __init__(self, low: float | Tensor, high: float | Tensor, stabilizer: float = 1e-6):
         self.low, self.high, self.stabilizer = low, high, stabilizer
 
-        def bound(value):
-            def fill(x: Tensor) -> Tensor:
-                return torch.as_tensor(value, dtype=x.dtype, device=x.device).expand_as(x)
-            return fill
-
         def mapper(relevance, outputs, z):
             return [relevance / denominator(outputs[0] - outputs[1] - outputs[2], stabilizer)] * 3
 
@@ -523,7 +517,11 @@ class ZBox(BasicRule):
             return inputs[0] * grads[0] - inputs[1] * grads[1] - inputs[2] * grads[2]
 
         super().__init__(
-            [Term(_identity, _identity), Term(bound(low), _positive), Term(bound(high), _negative)],
+            [
+                Term(_identity, _identity),
+                Term(lambda x: _bound_image(low, x).expand_as(x), _positive),
+                Term(lambda x: _bound_image(high, x).expand_as(x), _negative),
+            ],
             mapper,
             reduce,
         )
