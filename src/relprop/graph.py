@@ -232,6 +232,7 @@ class ParametricCall(OpCall):
     def finish(self) -> None:
         super().finish()
         self._merged = None  # merged weights: a copy of the layer's weights each, kept until the graph is freed
+        self._transpose = None  # a transposed convolution holds its input (for the shape)
 
     def run(self) -> Tensor:
         if self._value is not None:  # a merged call: the output was computed by the BatchNorm itself
