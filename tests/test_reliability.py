@@ -94,3 +94,25 @@ def test_long_runs_keep_memory_flat_and_keep_nothing():
     for _ in range(1000):
         lrp.attribute(x, target=1)
     assert _resident_mib() - before < 20
+
+
+@pytest.mark.parametrize("preset", ["epsilon", "epsilon-plus", "epsilon-alpha2-beta1", "epsilon-gamma-box"])
+def test_activations_are_freed_as_the_relevance_passes(preset):
+    # as autograd frees saved tensors: once the relevance reaches the first layer, no later layer's input lives
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(inplace=True), torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.ReLU(inplace=True), torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.Flatten(), torch.nn.Linear(512, 4),
+    ).eval()
+    later_inputs, alive = {}, []
+    for index in (4, 6):
+        model[index].register_forward_hook(
+            lambda module, args, out, index=index: later_inputs.update({index: weakref.ref(args[0].untyped_storage())}))
+
+    def check(relevance):  # runs when the relevance passes the first layer's output
+        alive.append([index for index, ref in later_inputs.items() if ref() is not None])
+        return relevance
+
+    kwargs = {"low": -3.0, "high": 3.0} if preset == "epsilon-gamma-box" else {}
+    layer = relprop.LayerLRP(model, model[0], relprop.composites.get(preset, **kwargs))
+    layer._run(torch.randn(2, 3, 8, 8), 1, None, False, reduce=check)
+    assert sorted(later_inputs) == [4, 6] and alive == [[]]
