@@ -73,3 +73,30 @@ def test_models_that_misbehave(behaviour, error, match):
     with pytest.raises(error, match=match):
         relprop.LRP(hostile).attribute(torch.randn(2, 4), target=0)
     assert_untouched(hostile, before)
+
+
+BOUND = [nn.functional.batch_norm, nn.functional.relu, nn.functional.leaky_relu, nn.functional.softmax,
+         nn.functional.max_pool2d]
+
+
+@settings(max_examples=300, deadline=None)
+@given(func=st.sampled_from(BOUND), positional=st.integers(0, 10),
+       keywords=st.lists(st.sampled_from(["input", "weight", "eps", "inplace", "dim", "kernel_size", "stride",
+                                          "negative_slope", "running_mean", "running_var", "bogus"]), max_size=5))
+def test_arguments_are_bound_by_name_as_python_binds_them(func, positional, keywords):
+    """The engine binds op arguments by hand (it is faster); order, defaults and errors are Python's own."""
+    import inspect
+
+    from relprop.ops import _bind
+
+    signature = inspect.signature(func)
+    args = tuple(range(positional))
+    kwargs = {name: -1 for name in keywords}
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as error:
+        with pytest.raises(TypeError, match=str(error)):
+            _bind(func, args, kwargs)
+        return
+    bound.apply_defaults()
+    assert list(_bind(func, args, kwargs).items()) == list(bound.arguments.items())

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import relprop
+from conftest import randomize_batch_norms
 from relprop import rules
 
 
@@ -65,12 +66,24 @@ def reference(rule, a, W, b, R, low=None, high=None):
     raise AssertionError(rule)
 
 
+def _with_batch_norm(layer: nn.Module, batch_norm: nn.Module) -> nn.Sequential:
+    return randomize_batch_norms(nn.Sequential(layer, batch_norm))
+
+
+def _layer_bias(layer: nn.Module) -> nn.Parameter:
+    return (layer[0] if isinstance(layer, nn.Sequential) else layer).bias
+
+
 LAYERS = {
     "linear": (lambda bias: nn.Linear(6, 4, bias=bias), (6,)),
     "conv1d": (lambda bias: nn.Conv1d(2, 3, 3, padding=1, bias=bias), (2, 7)),
     "conv2d": (lambda bias: nn.Conv2d(2, 3, 3, stride=2, padding=1, bias=bias), (2, 6, 5)),
     "conv3d": (lambda bias: nn.Conv3d(2, 2, 2, padding=1, bias=bias), (2, 3, 3, 2)),
     "conv_transpose2d": (lambda bias: nn.ConvTranspose2d(2, 3, 3, stride=2, bias=bias), (2, 3, 3)),
+    # the engine merges the BatchNorm into the layer (signed scales): the rule sees the merged weight and bias
+    "linear+batch_norm": (lambda bias: _with_batch_norm(nn.Linear(6, 4, bias=bias), nn.BatchNorm1d(4)), (6,)),
+    "conv2d+batch_norm": (lambda bias: _with_batch_norm(nn.Conv2d(2, 3, 3, stride=2, padding=1, bias=bias),
+                                                        nn.BatchNorm2d(3)), (2, 6, 5)),
 }
 
 RULES = {
@@ -98,7 +111,7 @@ def test_rule_matches_matrix_form(layer_name, rule_name, bias, sign):
     layer = make(bias).double().eval()
     if bias:
         with torch.no_grad():
-            layer.bias.uniform_(-0.5, 0.5)
+            _layer_bias(layer).uniform_(-0.5, 0.5)
     rule = RULES[rule_name]
     x = torch.randn(2, *in_shape, dtype=torch.float64)
     if sign != "signed":
@@ -114,7 +127,7 @@ def test_rule_matches_matrix_form(layer_name, rule_name, bias, sign):
         torch.testing.assert_close(attributed[example].flatten(), expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("layer_name", ["linear", "conv2d", "conv3d"])
+@pytest.mark.parametrize("layer_name", ["linear", "conv2d", "conv3d", "conv2d+batch_norm"])
 def test_zbox_matches_matrix_form_with_per_channel_bounds(layer_name):
     make, in_shape = LAYERS[layer_name]
     layer = make(True).double().eval()

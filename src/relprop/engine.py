@@ -275,15 +275,14 @@ class Session(TorchFunctionMode):
         if call is not None:
             call.protect(copy)
 
-    def rule_for(self, call: OpCall) -> rules.Rule | None:
-        """The composite's rule for ``call`` in the current module."""
-        return self.composite.rule_for(call, self.module, self.module_name)[0]
+    def rule_for(self, call: OpCall) -> tuple[rules.Rule | None, str]:
+        """The composite's rule for ``call`` in the current module, and where it came from."""
+        return self.composite.rule_for(call, self.module, self.module_name)
 
-    def run(self, call: OpCall, rule=None) -> Any:
-        """Run ``call`` as a relevance node with its rule (``rule`` or the composite's choice)."""
-        source = "inherited from the merged layer"
+    def run(self, call: OpCall, rule=None, source: str = "inherited from the merged layer") -> Any:
+        """Run ``call`` as a relevance node with its rule (``rule``, from ``source``, or the composite's choice)."""
         if rule is None:
-            rule, source = self.composite.rule_for(call, self.module, self.module_name)
+            rule, source = self.rule_for(call)
         if rule is None:  # winner-take-all: the gradient is the rule
             return call._call(call.func, call.activations)
         call.audit = self.audit

@@ -10,7 +10,6 @@ in the backward pass.
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -24,16 +23,22 @@ __all__ = ["OpCall", "ParametricCall", "is_activation", "propagate", "watch", "t
 
 def is_activation(value: Any) -> bool:
     """An activation: a tensor derived from a model input. Parameters are constants."""
-    return isinstance(value, Tensor) and value.requires_grad and not isinstance(value, torch.nn.Parameter)
+    # isinstance(value, Parameter) in two cheap steps (it runs for every argument of every op): the type, and
+    # the flag by which Parameter's own instance check also accepts tensor subclasses
+    return (isinstance(value, Tensor) and value.requires_grad and not issubclass(type(value), torch.nn.Parameter)
+            and not getattr(value, "_is_param", False))
+
+
+_CONTAINERS = (list, tuple, dict)
 
 
 def _holds_activation(value: Any) -> bool:
     """Whether a list, tuple or dict holds an activation, at any depth."""
-    if isinstance(value, dict):
-        value = value.values()
-    elif not isinstance(value, (list, tuple)):
-        return False
-    return any(is_activation(v) or _holds_activation(v) for v in value)
+    for item in value.values() if isinstance(value, dict) else value:
+        if is_activation(item) if isinstance(item, Tensor) else (
+                isinstance(item, _CONTAINERS) and _holds_activation(item)):
+            return True
+    return False
 
 
 class OpCall:
@@ -69,8 +74,7 @@ class OpCall:
         #: called as ``audit(call, relevance, input_relevances)`` after each propagation, if set
         self.audit: Callable | None = None
         self._linearised = linearised or func
-        if any(_holds_activation(a) for a in args) or any(map(is_activation, kwargs.values())) \
-                or any(_holds_activation(v) for v in kwargs.values()):
+        if any(isinstance(a, _CONTAINERS) and _holds_activation(a) for a in args) or _holds_activation(kwargs):
             leaves, self._spec = tree_flatten((args, kwargs))
             self._constants = {}
         else:  # the common case, activations among the positional arguments only: no pytree needed
@@ -193,25 +197,48 @@ class ParametricCall(OpCall):
         self._channel_dim = channel_dim  # weight dimension that indexes output channels
         self._transpose = transpose
         self._batch_norm: tuple[Tensor, Tensor] | None = None  # merged (scale, shift) per output channel
-        self._merged: tuple[Tensor, Tensor] | None = None
+        self._merged_weight: Tensor | None = None
+        self._merged_bias: Tensor | None = None
         self._value: Tensor | None = None
 
     @property
     def weight(self) -> Tensor:
-        return self._weight if self._batch_norm is None else self._merged_parameters()[0]
+        """The weight, a merged BatchNorm's scale included (computed on first use, kept until :meth:`finish`)."""
+        if self._batch_norm is None:
+            return self._weight
+        if self._merged_weight is None:  # only rules that modify parameters need it
+            self._merged_weight = self._weight * self._weight_scale()
+        return self._merged_weight
 
     @property
     def bias(self) -> Tensor | None:
-        return self._bias if self._batch_norm is None else self._merged_parameters()[1]
-
-    def _merged_parameters(self) -> tuple[Tensor, Tensor]:
-        if self._merged is None:  # only rules that modify parameters need them
+        """The bias, a merged BatchNorm's scale and shift included."""
+        if self._batch_norm is None:
+            return self._bias
+        if self._merged_bias is None:
             scale, shift = self._batch_norm
-            shape = [1] * self._weight.dim()
-            shape[self._channel_dim] = -1
-            bias = self._bias if self._bias is not None else torch.zeros_like(scale)
-            self._merged = (self._weight * scale.reshape(shape), bias * scale + shift)
-        return self._merged
+            self._merged_bias = shift if self._bias is None else self._bias * scale + shift
+        return self._merged_bias
+
+    def weight_parts(self, negative: bool) -> tuple[Tensor, Tensor | None]:
+        """``W+`` and, if ``negative``, ``W-`` of :attr:`weight`, each a new tensor.
+
+        A merged weight that is not kept already is made for them and not
+        kept: one weight-sized tensor fewer to allocate and to hold.
+        """
+        if self._batch_norm is None or self._merged_weight is not None:
+            weight = self.weight
+            return weight.clamp(min=0), weight.clamp(max=0) if negative else None
+        merged = self._weight * self._weight_scale()
+        if not negative:
+            return merged.clamp_(min=0), None
+        return merged.clamp(min=0), merged.clamp_(max=0)
+
+    def _weight_scale(self) -> Tensor:
+        """The merged BatchNorm's scale, shaped to broadcast against the weight."""
+        shape = [1] * self._weight.dim()
+        shape[self._channel_dim] = -1
+        return self._batch_norm[0].reshape(shape)
 
     def _output_shape(self, vector: Tensor) -> Tensor:
         """A per-channel vector shaped to broadcast against the output."""
@@ -231,7 +258,7 @@ class ParametricCall(OpCall):
 
     def finish(self) -> None:
         super().finish()
-        self._merged = None  # merged weights: a copy of the layer's weights each, kept until the graph is freed
+        self._merged_weight = None  # a copy of the layer's weights, else kept until the graph is freed
         self._transpose = None  # a transposed convolution holds its input (for the shape)
 
     def run(self) -> Tensor:
@@ -266,7 +293,8 @@ class ParametricCall(OpCall):
         The merged output is ``batch_norm`` applied to ``output``, this call's
         output, so it stays bitwise the plain model's.
         """
-        merged = copy.copy(self)
+        merged = object.__new__(type(self))  # a shallow copy; copy.copy costs as much as a small op
+        merged.__dict__.update(self.__dict__)
         merged._batch_norm = (scale, shift)
         merged._prepared = False
         merged.name = f"{self.name}+batch_norm"

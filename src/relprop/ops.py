@@ -58,8 +58,33 @@ def _signature(func: Callable) -> inspect.Signature | None:
         return None
 
 
+@functools.cache
+def _parameters(func: Callable) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str], dict[str, Any]] | None:
+    """``func``'s parameter names in order, the positional ones, the keyword ones and the defaults.
+
+    None if ``func`` takes ``*args`` or ``**kwargs``.
+    """
+    parameters = _signature(func).parameters.values()
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        return None
+    return (tuple(p.name for p in parameters),
+            tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)),
+            frozenset(p.name for p in parameters if p.kind != p.POSITIONAL_ONLY),
+            {p.name: p.default for p in parameters if p.default is not p.empty})
+
+
 def _bind(func: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
-    bound = _signature(func).bind(*args, **kwargs)
+    """``func``'s arguments by name in the order of its parameters, defaults included."""
+    found = _parameters(func)
+    if found is not None and len(args) <= len(found[1]):
+        # the common case bound by hand: Signature.bind costs more than many a small op it serves
+        names, positional, keywords, defaults = found
+        given = positional[:len(args)]
+        if keywords.issuperset(kwargs) and kwargs.keys().isdisjoint(given):
+            values = {**defaults, **dict(zip(given, args)), **kwargs}
+            if len(values) == len(names):  # every parameter has a value
+                return {name: values[name] for name in names}
+    bound = _signature(func).bind(*args, **kwargs)  # raises the usual TypeError on bad arguments
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -111,10 +136,11 @@ def _in_place_pass(session, func, args, kwargs, handler: Handler) -> Tensor | No
     in-place ReLU of most CNNs. The output gets the tag ``handler`` would give it.
     """
     call = OpCall("elementwise", func, args, kwargs, op_name(func), session.module_name)
-    if len(call.inputs) != 1 or type(session.rule_for(call)) is not Pass:
+    rule, source = session.rule_for(call)
+    if len(call.inputs) != 1 or type(rule) is not Pass:
         return None
     call.in_place = True
-    out = session.run(call)
+    out = session.run(call, rule, source)
     if (tag := getattr(handler, "tag", None)) is not None:
         session.tags[out] = tag
     else:
@@ -612,8 +638,7 @@ for _name in "relu exp sqrt rsqrt abs neg reciprocal pow clamp clip tanh".split(
 _register(_in_place(_T.sigmoid, _elementwise("sigmoid"), keeps_input=False),
           _lookup(_T, "sigmoid_"), _lookup(torch, "sigmoid_"))
 for _function in (F.relu, F.elu, F.leaky_relu, F.hardtanh):
-    _register(_in_place(_function, _activation, keeps_input=False),
-              _lookup(F, f"{_function.__name__}_"))
+    _register(_in_place(_function, _activation, keeps_input=False), _lookup(F, f"{_function.__name__}_"))
 
 _MUL, _DIV, _MATMUL = "mul multiply __rmul__", "div divide true_divide __rdiv__ __rtruediv__ __truediv__", \
     "matmul mm bmm einsum __matmul__ __rmatmul__"
@@ -641,7 +666,6 @@ for _dims in (1, 2, 3):
     _register(_max_pool(getattr(F, f"_adaptive_max_pool{_dims}d"),
                         _adaptive_average(getattr(F, f"adaptive_avg_pool{_dims}d"))),
               [getattr(F, f"adaptive_max_pool{_dims}d")])
-
 
 
 # ---------------------------------------------------------------- aten ops (torch.export programs)
@@ -685,16 +709,33 @@ def from_aten(op: Any, args: tuple, kwargs: dict) -> tuple[Handler, Callable, tu
     """
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return None
+    if op not in _ATEN_RESOLVED:
+        _ATEN_RESOLVED[op] = _resolve_aten(op)
+    resolved = _ATEN_RESOLVED[op]
+    if resolved is None:
+        return None
+    handler, func, reorder = resolved
+    if reorder is not None:
+        return handler, func, reorder(_schema_arguments(op, args, kwargs)), {}
+    return handler, func, args, kwargs
+
+
+def _resolve_aten(op: torch._ops.OpOverload) -> tuple[Handler, Callable, Callable | None] | None:
+    """``op``'s handler, the function to give it and how to reorder its arguments (see :func:`from_aten`)."""
     name = op._opname
     if name in _REORDERED:
         func, reorder = _REORDERED[name]
-        return HANDLERS[func], func, reorder(_schema_arguments(op, args, kwargs)), {}
+        return HANDLERS[func], func, reorder
     returns = op._schema.returns
     if name in _ATEN_ROUTING or (returns and returns[0].alias_info is not None and not op._schema.is_mutable):
-        return _run, op, args, kwargs
+        return _run, op, None
     for namespace in (torch, F, _nn, _T):
         func = getattr(namespace, name, None)
         if func is not None and func in HANDLERS:
             handler = HANDLERS[func]
-            return (handler, op, args, kwargs) if handler is _run else (handler, func, args, kwargs)
+            return handler, (op if handler is _run else func), None
     return None
+
+
+#: :func:`_resolve_aten`'s answer per op overload: a program calls the same few ops many times
+_ATEN_RESOLVED: dict[torch._ops.OpOverload, tuple[Handler, Callable, Callable | None] | None] = {}

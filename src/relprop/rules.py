@@ -245,10 +245,12 @@ class BasicRule(Rule):
     propagate_split: Callable[..., Tensor] | None = None
     #: whether that fast form takes inputs of both signs; else only non-negative ones (after a ReLU)
     splits_signed: bool = False
+    #: whether that fast form reads ``W-`` also on a non-negative input
+    splits_negative_weight: bool = False
 
     def propagate(self, call, relevance):
         if self.propagate_split is not None and \
-                (split := _split_input(call, self.zero_bias, self.splits_signed)) is not None:
+                (split := _split_input(call, self.zero_bias, self.splits_signed, self.splits_negative_weight)):
             return (self.propagate_split(call, relevance, split),)
         (x,) = call.inputs
         inputs, outputs, live = [], [], []
@@ -300,7 +302,8 @@ class _Split:
     contributions, so that ``z - P`` is the sum of all negative ones: one
     modified forward (two on signed inputs) instead of one per term, and
     transposed products only. On a non-negative input (after a ReLU) ``x_neg``
-    and ``w_neg`` are None and ``P = W+ x + b+``. ``z`` is the op's output;
+    is None, ``P = W+ x + b+``, and ``w_neg`` is None unless the rule asks for
+    it. ``z`` is the op's output;
     where an in-place ReLU has since zeroed it, the relevance arriving there is
     0, so every use stays exact.
     """
@@ -317,19 +320,22 @@ class _Split:
         return positive
 
 
-def _split_input(call, zero_bias: bool, signed: bool) -> _Split | None:
-    """The op's input split by sign when a fast form applies (``signed``: also to negative entries), else None."""
+def _split_input(call, zero_bias: bool, signed: bool, negative_weight: bool) -> _Split | None:
+    """The op's input split by sign when a fast form applies (``signed``: also to negative entries), else None.
+
+    ``negative_weight``: the rule reads ``W-`` also on a non-negative input.
+    """
     if zero_bias or call.kind not in PARAMETRIC_KINDS or not getattr(call, "transposable", False):
         return None
     (x,) = call.inputs
     nonnegative = not bool(x.amin() < 0)  # one reduction pass, no mask tensor
     if not (nonnegative or signed):
         return None
-    w_pos = call.weight.clamp(min=0)
+    w_pos, w_neg = call.weight_parts(negative=negative_weight or not nonnegative)
     b_pos = call.bias.clamp(min=0) if call.bias is not None else None
     if nonnegative:
-        return _Split(x, None, call.evaluate(x, w_pos, b_pos), w_pos, None)
-    x_pos, x_neg, w_neg = x.clamp(min=0), x.clamp(max=0), call.weight.clamp(max=0)
+        return _Split(x, None, call.evaluate(x, w_pos, b_pos), w_pos, w_neg)
+    x_pos, x_neg = x.clamp(min=0), x.clamp(max=0)
     positive = call.evaluate(x_pos, w_pos, b_pos).add_(call.evaluate(x_neg, w_neg, None))
     return _Split(x_pos, x_neg, positive, w_pos, w_neg)
 
@@ -388,15 +394,16 @@ class AlphaBeta(BasicRule):
     needs_output = True  # the fast form reads z
 
     splits_signed = True
+    splits_negative_weight = True
 
     def propagate_split(self, call, relevance, split):
         # P >= 0 and N = z - P <= 0: the sums of the positive and of the negative contributions. x+ takes the
         # positive ones through W+ and the negative ones through W-, x- the other way round. Each quotient
         # is freed once its products are done: at most four map-sized tensors at once, the relevance included.
-        w_neg = split.w_neg if split.w_neg is not None else call.weight.clamp(max=0)
+        # (W-^T n as W^T n - W+^T n would spare W-, but cancels badly where N is near 0.)
         negative = _nonpositive_denominator(torch.sub(call.output, split.positive), self.stabilizer)
         negative = torch.div(relevance, negative, out=negative)
-        on_pos = call.transpose_with(negative, w_neg).mul_(-self.beta)
+        on_pos = call.transpose_with(negative, split.w_neg).mul_(-self.beta)
         on_neg = None if split.x_neg is None else call.transpose_with(negative, split.w_pos).mul_(-self.beta)
         del negative
         positive = _nonnegative_denominator(split.take_positive(), self.stabilizer)
@@ -404,7 +411,7 @@ class AlphaBeta(BasicRule):
         grad = on_pos.add_(call.transpose_with(positive, split.w_pos), alpha=self.alpha).mul_(split.x_pos)
         if on_neg is None:
             return grad
-        return grad.add_(on_neg.add_(call.transpose_with(positive, w_neg), alpha=self.alpha).mul_(split.x_neg))
+        return grad.add_(on_neg.add_(call.transpose_with(positive, split.w_neg), alpha=self.alpha).mul_(split.x_neg))
 
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_bias: bool = False):
         if alpha < 0 or beta < 0 or not math.isclose(alpha - beta, 1.0):
@@ -451,7 +458,7 @@ class Gamma(BasicRule):
         shared = split.take_positive().mul_(gamma).add_(_stabilizer(self.stabilizer, z.dtype)).mul_(w).add_(z)
         # |z + w t| >= |z| elsewhere (w and z share a sign, t >= 0): only z = 0 is not finite, and takes nothing
         shared = torch.div(relevance, shared, out=shared).nan_to_num_(0.0, 0.0, 0.0)
-        grad = call.transpose_with(shared, call.weight)
+        (grad,) = call.vjp(shared)  # W^T a; a merged BatchNorm's scale goes onto the smaller operand
         w = w.mul_(shared)
         del shared  # freed before the second product: one map-sized tensor less at the peak
         return grad.add_(call.transpose_with(w, split.w_pos), alpha=gamma).mul_(split.x_pos)
@@ -497,13 +504,14 @@ class ZBox(BasicRule):
         # x W - l W+ - h W-: x W is the output less its bias; bounds shared by the batch are evaluated once
         (x,) = call.inputs
         low, high = _bound_image(self.low, x), _bound_image(self.high, x)
-        w_pos, w_neg = call.weight.clamp(min=0), call.weight.clamp(max=0)
+        w_pos, w_neg = call.weight_parts(negative=True)
         z = call.output - call.bias_term() if call.bias is not None else call.output.clone()
         z = z.sub_(call.evaluate(low, w_pos, None)).sub_(call.evaluate(high, w_neg, None))
         shared = denominator(z, self.stabilizer)
         del z
         shared = torch.div(relevance, shared, out=shared)
-        grad = call.transpose_with(shared, call.weight).mul_(x)
+        (grad,) = call.vjp(shared)
+        grad = grad.mul_(x)
         grad.sub_(call.transpose_with(shared, w_pos).mul_(low))
         return (grad.sub_(call.transpose_with(shared, w_neg).mul_(high)),)
 
