@@ -106,7 +106,7 @@ def _plot_curves(curves: dict[str, dict[str, torch.Tensor]], path: Path) -> None
 
 def run(out: str | Path = "out", examples: int = 8, evaluated: int = 200,
         seed: int = 0) -> dict[str, dict[str, float]]:
-    """Train, explain ``examples`` test digits, evaluate on ``evaluated`` digits; returns AOPC by protocol and method."""
+    """Train, explain ``examples`` test digits, evaluate on ``evaluated`` digits; return AOPC by protocol, method."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     images, labels = load_mnist()

@@ -249,8 +249,10 @@ class BasicRule(Rule):
     splits_negative_weight: bool = False
 
     def propagate(self, call, relevance):
-        if self.propagate_split is not None and \
-                (split := _split_input(call, self.zero_bias, self.splits_signed, self.splits_negative_weight)):
+        split = None
+        if self.propagate_split is not None:
+            split = _split_input(call, self.zero_bias, self.splits_signed, self.splits_negative_weight)
+        if split is not None:
             return (self.propagate_split(call, relevance, split),)
         (x,) = call.inputs
         inputs, outputs, live = [], [], []
@@ -510,8 +512,7 @@ class ZBox(BasicRule):
         shared = denominator(z, self.stabilizer)
         del z
         shared = torch.div(relevance, shared, out=shared)
-        (grad,) = call.vjp(shared)
-        grad = grad.mul_(x)
+        grad = call.vjp(shared)[0].mul_(x)
         grad.sub_(call.transpose_with(shared, w_pos).mul_(low))
         return (grad.sub_(call.transpose_with(shared, w_neg).mul_(high)),)
 
