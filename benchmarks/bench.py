@@ -202,7 +202,8 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
           f"{torch.__version__}, torchvision {torchvision.__version__}, float32, {args.size}x{args.size}, "
           f"median of {args.rounds} rounds, huge pages for large tensors (THP_MEM_ALLOC_ENABLE): "
-          f"{'on' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else 'off'}")
+          f"{'on' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else 'off'}, glibc malloc settings: "
+          f"{' '.join(f'{k}={v}' for k, v in sorted(os.environ.items()) if k.startswith('MALLOC_')) or 'none'}")
     for name in args.models:
         for batch in args.batches:
             times = time_all(name, batch, args.size, args.rounds, args.which)
