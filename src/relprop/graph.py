@@ -207,7 +207,7 @@ class ParametricCall(OpCall):
         if self._batch_norm is None:
             return self._weight
         if self._merged_weight is None:  # only rules that modify parameters need it
-            self._merged_weight = self._weight * self._weight_scale()
+            self._merged_weight = self._merge_weight()
         return self._merged_weight
 
     @property
@@ -229,16 +229,16 @@ class ParametricCall(OpCall):
         if self._batch_norm is None or self._merged_weight is not None:
             weight = self.weight
             return weight.clamp(min=0), weight.clamp(max=0) if negative else None
-        merged = self._weight * self._weight_scale()
+        merged = self._merge_weight()
         if not negative:
             return merged.clamp_(min=0), None
         return merged.clamp(min=0), merged.clamp_(max=0)
 
-    def _weight_scale(self) -> Tensor:
-        """The merged BatchNorm's scale, shaped to broadcast against the weight."""
+    def _merge_weight(self) -> Tensor:
+        """A new tensor: the weight with the merged BatchNorm's scale on its output channels."""
         shape = [1] * self._weight.dim()
         shape[self._channel_dim] = -1
-        return self._batch_norm[0].reshape(shape)
+        return self._weight * self._batch_norm[0].reshape(shape)
 
     def _output_shape(self, vector: Tensor) -> Tensor:
         """A per-channel vector shaped to broadcast against the output."""
