@@ -709,9 +709,7 @@ def from_aten(op: Any, args: tuple, kwargs: dict) -> tuple[Handler, Callable, tu
     """
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return None
-    if op not in _ATEN_RESOLVED:
-        _ATEN_RESOLVED[op] = _resolve_aten(op)
-    resolved = _ATEN_RESOLVED[op]
+    resolved = _resolve_aten(op)
     if resolved is None:
         return None
     handler, func, reorder = resolved
@@ -720,6 +718,7 @@ def from_aten(op: Any, args: tuple, kwargs: dict) -> tuple[Handler, Callable, tu
     return handler, func, args, kwargs
 
 
+@functools.cache  # a program calls the same few ops many times
 def _resolve_aten(op: torch._ops.OpOverload) -> tuple[Handler, Callable, Callable | None] | None:
     """``op``'s handler, the function to give it and how to reorder its arguments (see :func:`from_aten`)."""
     name = op._opname
@@ -736,6 +735,3 @@ def _resolve_aten(op: torch._ops.OpOverload) -> tuple[Handler, Callable, Callabl
             return handler, (op if handler is _run else func), None
     return None
 
-
-#: :func:`_resolve_aten`'s answer per op overload: a program calls the same few ops many times
-_ATEN_RESOLVED: dict[torch._ops.OpOverload, tuple[Handler, Callable, Callable | None] | None] = {}
