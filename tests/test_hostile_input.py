@@ -1,4 +1,6 @@
 """Fuzzing the public API's arguments: a clear error or a result, and an untouched model, every time."""
+import inspect
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -6,6 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import relprop
+from relprop.ops import _bind
 from test_model_safety import assert_untouched, model, snapshot
 
 NET = model()
@@ -85,10 +88,6 @@ BOUND = [nn.functional.batch_norm, nn.functional.relu, nn.functional.leaky_relu,
                                           "negative_slope", "running_mean", "running_var", "bogus"]), max_size=5))
 def test_arguments_are_bound_by_name_as_python_binds_them(func, positional, keywords):
     """The engine binds op arguments by hand (it is faster); order, defaults and errors are Python's own."""
-    import inspect
-
-    from relprop.ops import _bind
-
     signature = inspect.signature(func)
     args = tuple(range(positional))
     kwargs = {name: -1 for name in keywords}
