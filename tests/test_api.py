@@ -101,6 +101,45 @@ def test_ignored_result_of_an_inplace_op_still_counts():
     torch.testing.assert_close(relevance.sum(1), model(x)[:, 0].detach(), rtol=1e-10, atol=0)
 
 
+IN_PLACE = {  # in place, and the same op out of place
+    "+=": (lambda h, g, c: h.__iadd__(g), lambda h, g, c: h + g),
+    "add_ alpha": (lambda h, g, c: h.add_(g, alpha=-0.5), lambda h, g, c: h - 0.5 * g),
+    "sub_": (lambda h, g, c: h.sub_(g), lambda h, g, c: h - g),
+    "-= alpha": (lambda h, g, c: h.sub_(g, alpha=2.0), lambda h, g, c: h - 2.0 * g),
+    "broadcast": (lambda h, g, c: h.add_(g[:, :1]), lambda h, g, c: h + g[:, :1]),
+    "constant": (lambda h, g, c: h.add_(c), lambda h, g, c: h + c),
+    "itself": (lambda h, g, c: h.add_(h), lambda h, g, c: h + h),
+    "mul_ itself": (lambda h, g, c: h.mul_(h), lambda h, g, c: h * h),
+}
+
+
+@pytest.mark.parametrize("then", ["relu_", "mul_", "nothing"])
+@pytest.mark.parametrize("form", IN_PLACE)
+def test_in_place_ops_give_the_relevance_of_their_out_of_place_form(form, then):
+    class Residual(nn.Module):
+        def __init__(self, in_place):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(4, 5), nn.Linear(4, 5), nn.Linear(5, 2)
+            self.register_buffer("c", torch.linspace(-1, 1, 5))
+            self.op = IN_PLACE[form][0 if in_place else 1]
+
+        def forward(self, x):
+            h = self.a(x)
+            h = self.op(h, self.b(x), self.c)
+            h = h.relu_() if then == "relu_" else h.mul_(0.5) if then == "mul_" else h
+            return self.head(h)
+
+    torch.manual_seed(0)
+    in_place, out_of_place = Residual(True).double().eval(), Residual(False).double().eval()
+    out_of_place.load_state_dict(in_place.state_dict())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(in_place(x), out_of_place(x), rtol=1e-12, atol=0)
+    expected = relprop.LRP(out_of_place, relprop.composites.Epsilon(0.1)).attribute(x, target=1)
+    relevance = relprop.LRP(in_place, relprop.composites.Epsilon(0.1)).attribute(x, target=1)
+    torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=0)
+    assert relevance.abs().sum() > 0
+
+
 def test_repeated_calls_give_identical_results():
     model, x = residual_net(), images()
     model.fc.rule = relprop.rules.Epsilon(0.1)

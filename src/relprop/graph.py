@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["OpCall", "ParametricCall", "is_activation", "propagate", "watch", "tap", "substitute",
+__all__ = ["OpCall", "ParametricCall", "InPlaceSumCall", "is_activation", "propagate", "watch", "tap", "substitute",
            "is_relevance_node"]
 
 
@@ -304,6 +304,32 @@ class ParametricCall(OpCall):
             with torch.enable_grad():
                 merged._graph = (leaves, batch_norm(out))
         return merged
+
+
+class InPlaceSumCall(OpCall):
+    """``x.add_(y, alpha=a)`` run in place, as in the plain model (a residual connection ``out += identity``).
+
+    The rule reads ``before``, a copy of ``x`` taken before the op, and the
+    op's VJP is closed-form (``g`` for ``x``, ``a * g`` summed to ``y``'s
+    shape for ``y``), so no autograd graph of the sum is kept and no result is
+    copied back into ``x``.
+    """
+
+    def __init__(self, func, args, kwargs, name, module_name, before: Tensor, alpha: float):
+        super().__init__("sum", func, args, kwargs, name, module_name)
+        self.in_place = True
+        self.inputs = (before, *self.inputs[1:])
+        self._alpha = alpha
+
+    def _needs_graph(self) -> bool:
+        return False
+
+    def vjp(self, grad: Tensor) -> tuple[Tensor, ...]:
+        grads = [grad]
+        if len(self.inputs) == 2:  # y is an activation too
+            other = grad if self._alpha == 1 else grad * self._alpha
+            grads.append(other if other.shape == self.inputs[1].shape else other.sum_to_size(self.inputs[1].shape))
+        return tuple(grads)
 
 
 class _Propagate(torch.autograd.Function):

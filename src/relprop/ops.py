@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .graph import OpCall, ParametricCall, is_activation, substitute, write_into
+from .graph import InPlaceSumCall, OpCall, ParametricCall, is_activation, substitute, write_into
 from .recurrent import RECURRENT_HANDLERS
 from .rules import Pass, inverse_denominator
 
@@ -154,13 +154,16 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
     If the op's rule may keep its input for the backward pass
     (``keeps_input``), it works on a copy of the target, so that nothing it
     saved changes; ``copy_`` keeps the in-place meaning for callers that
-    ignore the result.
+    ignore the result. Other arguments that share the target's memory
+    (``x.add_(x)``) would change with it: the rule reads copies of them.
     """
     def handle(session, func, args, kwargs):
         target = args[0]
         if keeps_input:  # one copy serves this op's rule and the target's producer
             source = target.clone()
             session.protect(target, copy=source)
+            args = tuple(source if a is target else a.clone() if _aliases(a, target) else a for a in args)
+            kwargs = {key: a.clone() if _aliases(a, target) else a for key, a in kwargs.items()}
         else:
             _protect_before(session, func, target)
             if (out := _in_place_pass(session, func, args, kwargs, handler)) is not None:
@@ -168,6 +171,39 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
             source = target
         result = handler(session, out_of_place, (source, *args[1:]), kwargs)
         return session.overwritten(write_into(target, result), result)
+    return handle
+
+
+def _aliases(value: Any, target: Tensor) -> bool:
+    """Whether ``value`` is a tensor in ``target``'s memory (``target`` itself, or a view of it)."""
+    return isinstance(value, Tensor) and value.untyped_storage().data_ptr() == target.untyped_storage().data_ptr()
+
+
+def _in_place_sum(out_of_place: Callable, sign: int) -> Handler:
+    """``x += y``, ``x.add_(y, alpha=a)``, ``x.sub_(y)``: run in place as in the plain model.
+
+    One copy of ``x`` serves the sum's rule and ``x``'s producer, as in
+    :func:`_in_place`, but nothing is computed out of place and copied back:
+    one new tensor and two passes over memory fewer on every residual
+    connection. Other cases (``y`` sharing memory with ``x``, ``x`` a view, a
+    scalar ``y``, mixed dtypes) go the general way.
+    """
+    general = _in_place(out_of_place, _sum)
+
+    def handle(session, func, args, kwargs):
+        bound = _bind_builtin(("input", "other"), args, kwargs)
+        target, other = bound.get("input"), bound.get("other")
+        if not (is_activation(target) and target._base is None and isinstance(other, Tensor)
+                and other.dtype == target.dtype and set(bound) <= {"input", "other", "alpha"}
+                and not _aliases(other, target)):
+            return general(session, func, args, kwargs)
+        before = target.detach().clone()
+        session.protect(target, copy=before)
+        call = InPlaceSumCall(func, args, kwargs, op_name(func), session.module_name, before,
+                              sign * bound.get("alpha", 1))
+        out = session.run(call)
+        session.tags.pop(out, None)
+        return out
     return handle
 
 
@@ -611,8 +647,8 @@ _register(_sum, _lookup(torch, _SUMS), _lookup(_T, _SUMS), _lookup(torch, "avg_p
           _lookup(_nn, "avg_pool2d avg_pool3d"),
           _lookup(F, "adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d interpolate upsample "
                      "upsample_bilinear upsample_nearest"))
-_register(_in_place(_T.add, _sum), _lookup(_T, "add_ __iadd__"))
-_register(_in_place(_T.sub, _sum), _lookup(_T, "sub_ __isub__"))
+_register(_in_place_sum(_T.add, 1), _lookup(_T, "add_ __iadd__"))
+_register(_in_place_sum(_T.sub, -1), _lookup(_T, "sub_ __isub__"))
 
 _register(_linear("norm", _layer_norm), [F.layer_norm])
 _register(_linear("norm", _group_norm), [F.group_norm])
