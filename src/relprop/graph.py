@@ -86,6 +86,8 @@ class OpCall:
             leaves[slot] = value
         self._leaves = leaves
         self.output: Tensor | None = None
+        #: indices of :attr:`inputs` that are copies read by the rule alone: it may write into them
+        self.scratch: frozenset[int] = frozenset()
         self._graph: tuple[list[Tensor], Tensor] | None = None
         self._prepared = False
 
@@ -312,17 +314,31 @@ class InPlaceSumCall(OpCall):
     The rule reads ``before``, a copy of ``x`` taken before the op, and the
     op's VJP is closed-form (``g`` for ``x``, ``a * g`` summed to ``y``'s
     shape for ``y``), so no autograd graph of the sum is kept and no result is
-    copied back into ``x``.
+    copied back into ``x``. ``producer``, the call that computed ``x``, may
+    read the same copy (see :meth:`OpCall.protect`).
     """
 
-    def __init__(self, func, args, kwargs, name, module_name, before: Tensor, alpha: float):
+    def __init__(self, func, args, kwargs, name, module_name, before: Tensor, alpha: float,
+                 producer: OpCall | None):
         super().__init__("sum", func, args, kwargs, name, module_name)
         self.in_place = True
         self.inputs = (before, *self.inputs[1:])
         self._alpha = alpha
+        self._producer = producer
 
     def _needs_graph(self) -> bool:
         return False
+
+    def prepare(self) -> None:
+        """Also let the producer of ``x`` prepare, as it may at any time: if it then reads no more of the copy of
+        ``x``, the copy is the rule's alone to write into (one map-sized tensor fewer on every residual connection).
+        """
+        super().prepare()
+        if self._producer is not None:
+            self._producer.prepare()
+            if self._producer.output is None:
+                self.scratch = frozenset({0})
+            self._producer = None
 
     def vjp(self, grad: Tensor) -> tuple[Tensor, ...]:
         grads = [grad]

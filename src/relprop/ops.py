@@ -200,7 +200,7 @@ def _in_place_sum(out_of_place: Callable, sign: int) -> Handler:
         before = target.detach().clone()
         session.protect(target, copy=before)
         call = InPlaceSumCall(func, args, kwargs, op_name(func), session.module_name, before,
-                              sign * bound.get("alpha", 1))
+                              sign * bound.get("alpha", 1), session.producers.get(target))
         out = session.run(call)
         session.tags.pop(out, None)
         return out

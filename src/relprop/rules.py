@@ -158,10 +158,12 @@ class Epsilon(Rule):
         grads = call.vjp(scaled)
         if call.kind in PARAMETRIC_KINDS:  # fresh tensors from a transposed product: scaled in place
             return tuple(None if c is None else c.mul_(x) for x, c in zip(call.inputs, grads))
-        # a sum hands `scaled` itself to its inputs: ours, so the last input to read it may write into it
+        # a sum hands `scaled` itself to its inputs: ours, so the last input to read it may write into it; an
+        # input copy that only this rule reads takes its own relevance
         last = max((i for i, c in enumerate(grads) if c is not None), default=None)
         owned = last is not None and grads[last] is scaled and scaled.shape == call.inputs[last].shape
-        return tuple(None if c is None else c.mul_(x) if owned and i == last else x * c
+        return tuple(None if c is None else c.mul_(x) if owned and i == last else
+                     x.mul_(c) if i in call.scratch and c.shape == x.shape else x * c
                      for i, (x, c) in enumerate(zip(call.inputs, grads)))
 
 
