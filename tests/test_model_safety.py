@@ -75,6 +75,25 @@ def test_training_mode_is_explained_in_eval_mode_and_restored():
     assert_untouched(net, before)  # running statistics were not updated
 
 
+@pytest.mark.parametrize("preset", ["epsilon", "epsilon-plus", "epsilon-alpha2-beta1", "epsilon-gamma-box"])
+def test_activations_kept_by_hooks_are_not_overwritten(preset):
+    """Rules write into an op's output only where no other tensor shares its memory."""
+    net, x = model(), torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    composite = relprop.composites.get(preset, **({"low": -5.0, "high": 5.0} if preset == "epsilon-gamma-box" else {}))
+    alone = relprop.LRP(net, composite).attribute(x, target=1)
+    kept = []  # every module's output, as the model leaves it (in-place ReLUs and sums included)
+    handles = [m.register_forward_hook(lambda m, i, out: kept.append(out)) for m in net.modules() if m is not net]
+    net(x)
+    plain, kept[:] = [out.clone() for out in kept], []
+    relevance = relprop.LRP(net, composite).attribute(x, target=1)
+    for handle in handles:
+        handle.remove()
+    assert len(kept) == len(plain) == len(handles) > 5
+    for output, value in zip(kept, plain):
+        assert torch.equal(output.detach(), value)
+    assert torch.equal(relevance, alone)
+
+
 @pytest.mark.parametrize("preset", ["epsilon", "epsilon-plus", "epsilon-alpha2-beta1"])
 def test_forward_output_is_bitwise_the_plain_forward(preset):
     net, x = model().float(), torch.randn(4, 3, 16, 16)

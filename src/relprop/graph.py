@@ -10,6 +10,8 @@ in the backward pass.
 """
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +41,23 @@ def _holds_activation(value: Any) -> bool:
                 isinstance(item, _CONTAINERS) and _holds_activation(item)):
             return True
     return False
+
+
+def _storage_counts(tensor: Tensor) -> tuple[int, int]:
+    """References to ``tensor``'s storage from tensors (and the storage object), and to the storage object."""
+    storage = tensor.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+
+
+@functools.cache
+def _lone_storage_counts() -> tuple[int, int] | None:
+    """:func:`_storage_counts` of a tensor that nothing else references, as this PyTorch version counts them.
+
+    None if PyTorch does not expose the count of a storage's references.
+    """
+    if not hasattr(torch._C, "_storage_Use_Count"):
+        return None
+    return _storage_counts(torch.empty(1))
 
 
 class OpCall:
@@ -139,6 +158,23 @@ class OpCall:
         """Vector-Jacobian product of the op with respect to :attr:`inputs`."""
         leaves, out = self._graph
         return torch.autograd.grad(out, leaves, grad, allow_unused=True)
+
+    def writable_output(self) -> Tensor | None:
+        """:attr:`output`, if no other tensor shares its memory; else None.
+
+        By the time the relevance reaches an op, every op that read its output
+        has passed the relevance on and freed its inputs; if the model, the
+        user or a hook kept no tensor in the same memory either, nothing can
+        read it any more, and the rule may write into it instead of into a
+        new tensor of the same size. The check counts the tensors on the
+        memory (views and aliases included), and that only the storage object
+        made to ask is held nowhere else; where PyTorch does not expose the
+        count, the answer is None.
+        """
+        lone = _lone_storage_counts()
+        if self.output is None or lone is None:
+            return None
+        return self.output if _storage_counts(self.output) == lone else None
 
     def prepare(self) -> None:
         """Let the rule precompute from the output, once: in the backward pass, or before the output changes."""
@@ -323,6 +359,7 @@ class InPlaceSumCall(OpCall):
         super().__init__("sum", func, args, kwargs, name, module_name)
         self.in_place = True
         self.inputs = (before, *self.inputs[1:])
+        self._leaves[self._slots[0]] = before  # no alias of x left here: the output may be writable later
         self._alpha = alpha
         self._producer = producer
 

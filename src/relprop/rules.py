@@ -69,9 +69,15 @@ def denominator(z: Tensor, epsilon: float) -> Tensor:
     return torch.lt(z, 0, out=torch.empty_like(z)).mul_(-2 * epsilon).add_(epsilon).add_(z)
 
 
-def inverse_denominator(z: Tensor, epsilon: float) -> Tensor:
-    """``1 / denominator(z, epsilon)``, in as few passes over memory as possible."""
+def inverse_denominator(z: Tensor, epsilon: float, writable: bool = False) -> Tensor:
+    """``1 / denominator(z, epsilon)``, in as few passes over memory as possible.
+
+    ``writable``: ``z`` is the caller's to overwrite; on a ``z >= 0`` (after a
+    ReLU) the result is then written into it.
+    """
     epsilon = _stabilizer(epsilon, z.dtype)
+    if writable and epsilon and not bool(z.amin() < 0):  # one reduction pass instead of a new tensor
+        return z.add_(epsilon).reciprocal_()
     if epsilon == 0:
         return torch.where(z == 0, 0.0, z.reciprocal())
     # copysign(eps, 0.0) = +eps; the rare -0.0 gets -eps, the same magnitude. One new tensor, written in place:
@@ -148,10 +154,11 @@ class Epsilon(Rule):
         return super().accepts(call) and (not self.zero_bias or call.kind in PARAMETRIC_KINDS)
 
     def prepare(self, call) -> None:
-        z = call.output
         if self.zero_bias and call.bias is not None:
-            z = z - call.bias_term()
-        call.inverse = inverse_denominator(z, self.epsilon)
+            call.inverse = inverse_denominator(call.output - call.bias_term(), self.epsilon)
+        else:
+            z = call.writable_output()
+            call.inverse = inverse_denominator(call.output if z is None else z, self.epsilon, writable=z is not None)
 
     def propagate(self, call, relevance):
         scaled = torch.mul(relevance, call.inverse, out=call.inverse)  # the inverse is read once
@@ -405,7 +412,9 @@ class AlphaBeta(BasicRule):
         # positive ones through W+ and the negative ones through W-, x- the other way round. Each quotient
         # is freed once its products are done: at most four map-sized tensors at once, the relevance included.
         # (W-^T n as W^T n - W+^T n would spare W-, but cancels badly where N is near 0.)
-        negative = _nonpositive_denominator(torch.sub(call.output, split.positive), self.stabilizer)
+        z = call.writable_output()
+        negative = torch.sub(call.output, split.positive) if z is None else z.sub_(split.positive)
+        negative = _nonpositive_denominator(negative, self.stabilizer)
         negative = torch.div(relevance, negative, out=negative)
         on_pos = call.transpose_with(negative, split.w_neg).mul_(-self.beta)
         on_neg = None if split.x_neg is None else call.transpose_with(negative, split.w_pos).mul_(-self.beta)
@@ -509,7 +518,11 @@ class ZBox(BasicRule):
         (x,) = call.inputs
         low, high = _bound_image(self.low, x), _bound_image(self.high, x)
         w_pos, w_neg = call.weight_parts(negative=True)
-        z = call.output - call.bias_term() if call.bias is not None else call.output.clone()
+        z = call.writable_output()
+        if z is None:
+            z = call.output - call.bias_term() if call.bias is not None else call.output.clone()
+        elif call.bias is not None:
+            z = z.sub_(call.bias_term())
         z = z.sub_(call.evaluate(low, w_pos, None)).sub_(call.evaluate(high, w_neg, None))
         shared = denominator(z, self.stabilizer)
         del z
