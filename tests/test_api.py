@@ -140,6 +140,32 @@ def test_in_place_ops_give_the_relevance_of_their_out_of_place_form(form, then):
     assert relevance.abs().sum() > 0
 
 
+@pytest.mark.parametrize("chain", ["relu_ sub_", "relu_ mul_", "relu_ relu_ add_"])
+def test_in_place_ops_after_an_in_place_relu_leave_the_layer_its_output(chain):
+    """The ReLU runs in place and the layer reads relu(z) later: a second in-place op must not change that."""
+    class Chain(nn.Module):
+        def __init__(self, in_place):
+            super().__init__()
+            self.a, self.head, self.in_place = nn.Linear(4, 5), nn.Linear(5, 2), in_place
+
+        def forward(self, x):
+            h = self.a(x)
+            for op in chain.split():
+                constant = {"sub_": 0.3, "mul_": -0.5, "add_": 1.0}.get(op)
+                args = () if constant is None else (constant,)
+                h = getattr(h, op)(*args) if self.in_place else getattr(torch, op.rstrip("_"))(h, *args)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    in_place, out_of_place = Chain(True).double().eval(), Chain(False).double().eval()
+    out_of_place.load_state_dict(in_place.state_dict())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(in_place(x), out_of_place(x), rtol=1e-12, atol=0)
+    expected = relprop.LRP(out_of_place, relprop.composites.Epsilon(0.1)).attribute(x, target=0)
+    relevance = relprop.LRP(in_place, relprop.composites.Epsilon(0.1)).attribute(x, target=0)
+    torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=0)
+
+
 def test_repeated_calls_give_identical_results():
     model, x = residual_net(), images()
     model.fc.rule = relprop.rules.Epsilon(0.1)

@@ -87,6 +87,8 @@ class OpCall:
         self.func = func
         #: whether ``func`` overwrites its one activation input and returns it (see ``ops._in_place_pass``)
         self.in_place = False
+        #: for an op run in place: the call that produced the input it overwrote, which still reads that memory
+        self.overwrites: OpCall | None = None
         self.name = name
         self.module_name = module_name
         self.rule = None
@@ -190,6 +192,7 @@ class OpCall:
         self._graph = None
         # the arguments hold the inputs too, and the call lives as long as the autograd graph: to its end
         self._leaves = self._outer = None
+        self.overwrites = None
         self.__dict__.pop("inverse", None)
 
     def settle(self) -> None:
@@ -201,8 +204,11 @@ class OpCall:
         """Before user code modifies the output in place: prepare now, and copy it if the rule reads it later.
 
         ``copy`` is a copy of the output that nothing will modify: the rule reads
-        it when the relevance comes, and nothing more is kept.
+        it when the relevance comes, and nothing more is kept. An op run in
+        place passes this on to the call whose output it overwrote.
         """
+        if self.overwrites is not None:
+            self.overwrites.protect(copy)
         if self.rule is None or self.output is None:
             return
         if copy is not None:

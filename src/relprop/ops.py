@@ -140,6 +140,7 @@ def _in_place_pass(session, func, args, kwargs, handler: Handler) -> Tensor | No
     if len(call.inputs) != 1 or type(rule) is not Pass:
         return None
     call.in_place = True
+    call.overwrites = session.producers.get(call.activations[0])
     out = session.run(call, rule, source)
     if (tag := getattr(handler, "tag", None)) is not None:
         session.tags[out] = tag
