@@ -107,6 +107,8 @@ class OpCall:
             leaves[slot] = value
         self._leaves = leaves
         self.output: Tensor | None = None
+        #: whether an in-place ReLU has since overwritten the output in its memory: it holds relu(z) >= 0
+        self.output_nonnegative = False
         #: indices of :attr:`inputs` that are copies read by the rule alone: it may write into them
         self.scratch: frozenset[int] = frozenset()
         self._graph: tuple[list[Tensor], Tensor] | None = None

@@ -140,7 +140,10 @@ def _in_place_pass(session, func, args, kwargs, handler: Handler) -> Tensor | No
     if len(call.inputs) != 1 or type(rule) is not Pass:
         return None
     call.in_place = True
-    call.overwrites = session.producers.get(call.activations[0])
+    target = call.activations[0]
+    call.overwrites = session.producers.get(target)
+    if call.overwrites is not None and func in _KEEPS_NONZERO and _aliases(call.overwrites.output, target):
+        call.overwrites.output_nonnegative = True
     out = session.run(call, rule, source)
     if (tag := getattr(handler, "tag", None)) is not None:
         session.tags[out] = tag

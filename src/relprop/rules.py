@@ -69,14 +69,14 @@ def denominator(z: Tensor, epsilon: float) -> Tensor:
     return torch.lt(z, 0, out=torch.empty_like(z)).mul_(-2 * epsilon).add_(epsilon).add_(z)
 
 
-def inverse_denominator(z: Tensor, epsilon: float, writable: bool = False) -> Tensor:
+def inverse_denominator(z: Tensor, epsilon: float, in_place: bool = False) -> Tensor:
     """``1 / denominator(z, epsilon)``, in as few passes over memory as possible.
 
-    ``writable``: ``z`` is the caller's to overwrite; on a ``z >= 0`` (after a
-    ReLU) the result is then written into it.
+    ``in_place``: ``z >= 0`` (an in-place ReLU's output) is the caller's to
+    overwrite, and the result is written into it.
     """
     epsilon = _stabilizer(epsilon, z.dtype)
-    if writable and epsilon and not bool(z.amin() < 0):  # one reduction pass instead of a new tensor
+    if in_place and epsilon:
         return z.add_(epsilon).reciprocal_()
     if epsilon == 0:
         return torch.where(z == 0, 0.0, z.reciprocal())
@@ -157,8 +157,8 @@ class Epsilon(Rule):
         if self.zero_bias and call.bias is not None:
             call.inverse = inverse_denominator(call.output - call.bias_term(), self.epsilon)
         else:
-            z = call.writable_output()
-            call.inverse = inverse_denominator(call.output if z is None else z, self.epsilon, writable=z is not None)
+            z = call.writable_output() if call.output_nonnegative else None
+            call.inverse = inverse_denominator(call.output if z is None else z, self.epsilon, in_place=z is not None)
 
     def propagate(self, call, relevance):
         scaled = torch.mul(relevance, call.inverse, out=call.inverse)  # the inverse is read once
