@@ -51,7 +51,7 @@ class Hostile(nn.Module):
     def __init__(self, behaviour):
         super().__init__()
         self.behaviour = behaviour
-        self.fc = nn.Linear(4, 3)
+        self.fc, self.head = nn.Linear(4, 3), nn.Linear(3, 3)
 
     def forward(self, x):
         h = self.fc(x)
@@ -61,6 +61,10 @@ class Hostile(nn.Module):
             return "not a tensor"
         if self.behaviour == "no-grad":
             return h.detach()
+        if self.behaviour == "modify-read-input":  # the second layer reads h, then h changes: autograd refuses too
+            out = self.head(h)
+            h.mul_(3.0)
+            return out + h[:, :1]
         return {"other": 3}
 
 
@@ -69,6 +73,8 @@ class Hostile(nn.Module):
     ("string", TypeError, "relprop: the model returned str"),
     ("dict", TypeError, "without any tensor"),
     ("no-grad", RuntimeError, "relprop: the model output does not depend on the inputs"),
+    ("modify-read-input", RuntimeError, "input 0 of torch.nn.functional.linear in module 'head' was modified in "
+                                        "place after the op read it"),
 ])
 def test_models_that_misbehave(behaviour, error, match):
     hostile = Hostile(behaviour).eval()

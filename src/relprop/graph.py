@@ -139,6 +139,19 @@ class OpCall:
         args, kwargs = tree_unflatten(leaves, self._spec)
         return func(*args, **kwargs)
 
+    def check_inputs(self) -> None:
+        """Raise if an input was modified in place after the op read it: the rule would read the new values.
+
+        Plain autograd refuses the same for ops that save their input; every
+        rule reads its inputs. An op run in place overwrote its own input, and
+        its rule reads only the shape.
+        """
+        for index, (x, version) in enumerate(zip(self.inputs, self.versions)):
+            if x._version != version and not (self.in_place and index == 0):
+                raise RuntimeError(f"relprop: input {index} of {self.describe()} was modified in place after the op "
+                                   "read it, so its relevance cannot be computed; modify a copy instead "
+                                   "(x = x.clone()) or use the out-of-place op")
+
     def keep_graph(self, leaves: list[Tensor], out: Tensor) -> None:
         """Use an autograd graph of the op built already, from ``leaves`` (one per input) to ``out``."""
         self._graph = (leaves, out)
@@ -412,6 +425,7 @@ class _Propagate(torch.autograd.Function):
             raise RuntimeError("relprop: relevance crosses a recorded forward pass once; run the forward again")
         if relevance is None:
             return (None,) * (1 + len(call.inputs))
+        call.check_inputs()
         call.prepare()
         result = call.rule.propagate(call, relevance)
         if call.audit is not None:
@@ -424,6 +438,7 @@ def propagate(call: OpCall, rule) -> Tensor:
     """Run ``call`` as a relevance node with ``rule``; returns the (bitwise original) output."""
     call.rule = rule
     out = _Propagate.apply(call, *call.activations)
+    call.versions = tuple(x._version for x in call.inputs)
     call.output = out.detach()
     call.output_dim = out.dim()
     call.release()
