@@ -127,6 +127,28 @@ def test_rule_matches_matrix_form(layer_name, rule_name, bias, sign):
         torch.testing.assert_close(attributed[example].flatten(), expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("sign", ["signed", "nonnegative"])
+@pytest.mark.parametrize("rule_name", RULES)
+def test_rule_matches_matrix_form_where_an_output_is_exactly_zero(rule_name, sign):
+    """Contributions that cancel exactly (z = 0 with nonzero inputs) and relevance arriving there anyway."""
+    layer = nn.Linear(6, 3).double().eval()
+    with torch.no_grad():
+        layer.weight[0] = torch.tensor([0.5, -0.5, 0.75, -0.75, 0.25, -0.25])
+        layer.bias.uniform_(-0.5, 0.5)
+        layer.bias[0] = 0.0
+    x = torch.rand(2, 6, dtype=torch.float64) if sign == "nonnegative" else torch.randn(2, 6, dtype=torch.float64)
+    x[:, 1], x[:, 3], x[:, 4:] = x[:, 0], x[:, 2], 0.0
+    out = layer(x)
+    assert torch.all(out[:, 0] == 0)
+    R = torch.randn_like(out)
+    rule = RULES[rule_name]
+    attributed = relprop.LRP(layer, relprop.Composite(dense=rule)).attribute(x, target=R)
+    W, b = matrix_form(layer, (6,))
+    for example in range(2):
+        expected = reference(rule, x[example], W, b, R[example])
+        torch.testing.assert_close(attributed[example], expected, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("layer_name", ["linear", "conv2d", "conv3d", "conv2d+batch_norm"])
 def test_zbox_matches_matrix_form_with_per_channel_bounds(layer_name):
     make, in_shape = LAYERS[layer_name]

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
@@ -459,22 +460,26 @@ class Gamma(BasicRule):
     needs_output = True
 
     def propagate_split(self, call, relevance, split):
-        z, gamma = call.output, self.gamma
         # z > 0: x (W + g W+) shares R over z + t, with t = g P + eps; z < 0: x (W + g W-) over (1 + g) z - t,
         # as W- x + b- = z - P. Divided by 1 + g, that is z - t / (1 + g). So with w = 1 where z > 0 and
         # w = -1 / (1 + g) where z < 0, one quotient a = R / (z + w t) serves both, and as W- = W - W+:
-        # (W + g W+)^T up + (W + g W-)^T down = W^T a + g W+^T (w a). No masks, no where: each is a pass.
-        rise, fall = 1.0, -1 / (1 + gamma)
-        # w = ((rise - fall) s + (rise + fall) s^2) / 2 of s = sign(z): also 0 at z = 0, so that a = R / 0 there
-        w = torch.sign(z).mul_((rise - fall) / 2)
-        w.addcmul_(w, w, value=2 * (rise + fall) / (rise - fall) ** 2)
-        shared = split.take_positive().mul_(gamma).add_(_stabilizer(self.stabilizer, z.dtype)).mul_(w).add_(z)
-        # |z + w t| >= |z| elsewhere (w and z share a sign, t >= 0): only z = 0 is not finite, and takes nothing
-        shared = torch.div(relevance, shared, out=shared).nan_to_num_(0.0, 0.0, 0.0)
-        (grad,) = call.vjp(shared)  # W^T a; a merged BatchNorm's scale goes onto the smaller operand
-        w = w.mul_(shared)
-        del shared  # freed before the second product: one map-sized tensor less at the peak
-        return grad.add_(call.transpose_with(w, split.w_pos), alpha=gamma).mul_(split.x_pos)
+        # (W + g W+)^T up + (W + g W-)^T down = W^T a + g W+^T (w a). No masks, no where: each is a pass, on
+        # two map-sized tensors: t and the output's memory (a copy where the output is not writable).
+        gamma = self.gamma
+        slope = 1 / (1 + gamma)
+        z = call.writable_output()
+        z = call.output.clone() if z is None else z
+        epsilon = _stabilizer(self.stabilizer, z.dtype)
+        t = split.take_positive().mul_(gamma).add_(epsilon)
+        # w t as a leaky ReLU of copysign(t, z); z + w t has the sign of z and |z + w t| >= t
+        shared = F.leaky_relu_(t.copysign_(z), slope).add_(z)
+        a = z.ne_(0).mul_(relevance).div_(shared)  # where z = 0 nothing is shared
+        if not epsilon:  # t may be 0 too there
+            a = a.nan_to_num_(0.0, 0.0, 0.0)
+        (grad,) = call.vjp(a)  # W^T a; a merged BatchNorm's scale goes onto the smaller operand
+        w_a = F.leaky_relu_(shared.sign_(), slope).mul_(a)  # w from the sign of z + w t, which is that of z
+        del a
+        return grad.add_(call.transpose_with(w_a, split.w_pos), alpha=gamma).mul_(split.x_pos)
 
     def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.gamma, self.stabilizer = gamma, stabilizer
