@@ -293,11 +293,17 @@ class ParametricCall(OpCall):
             return merged.clamp_(min=0), None
         return merged.clamp(min=0), merged.clamp_(max=0)
 
-    def _merge_weight(self) -> Tensor:
-        """A new tensor: the weight with the merged BatchNorm's scale on its output channels."""
+    def negative_weight(self, out: Tensor) -> Tensor:
+        """``W-`` of :attr:`weight`, written into ``out``: a weight-sized tensor the caller is done with (its ``W+``)."""
+        if self._batch_norm is None or self._merged_weight is not None:
+            return torch.clamp(self.weight, max=0, out=out)
+        return self._merge_weight(out).clamp_(max=0)
+
+    def _merge_weight(self, out: Tensor | None = None) -> Tensor:
+        """The weight with the merged BatchNorm's scale on its output channels, in ``out`` or a new tensor."""
         shape = [1] * self._weight.dim()
         shape[self._channel_dim] = -1
-        return self._weight * self._batch_norm[0].reshape(shape)
+        return torch.mul(self._weight, self._batch_norm[0].reshape(shape), out=out)
 
     def _output_shape(self, vector: Tensor) -> Tensor:
         """A per-channel vector shaped to broadcast against the output."""

@@ -255,13 +255,11 @@ class BasicRule(Rule):
     propagate_split: Callable[..., Tensor] | None = None
     #: whether that fast form takes inputs of both signs; else only non-negative ones (after a ReLU)
     splits_signed: bool = False
-    #: whether that fast form reads ``W-`` also on a non-negative input
-    splits_negative_weight: bool = False
 
     def propagate(self, call, relevance):
         split = None
         if self.propagate_split is not None:
-            split = _split_input(call, self.zero_bias, self.splits_signed, self.splits_negative_weight)
+            split = _split_input(call, self.zero_bias, self.splits_signed)
         if split is not None:
             return (self.propagate_split(call, relevance, split),)
         (x,) = call.inputs
@@ -314,10 +312,11 @@ class _Split:
     contributions, so that ``z - P`` is the sum of all negative ones: one
     modified forward (two on signed inputs) instead of one per term, and
     transposed products only. On a non-negative input (after a ReLU) ``x_neg``
-    is None, ``P = W+ x + b+``, and ``w_neg`` is None unless the rule asks for
-    it. ``z`` is the op's output;
-    where an in-place ReLU has since zeroed it, the relevance arriving there is
-    0, so every use stays exact.
+    and ``w_neg`` are None and ``P = W+ x + b+``; a rule that needs ``W-``
+    there writes it over ``w_pos`` once done with that
+    (:meth:`ParametricCall.negative_weight`). ``z`` is the op's output; where
+    an in-place ReLU has since zeroed it, the relevance arriving there is 0, so
+    every use stays exact.
     """
 
     x_pos: Tensor
@@ -332,18 +331,15 @@ class _Split:
         return positive
 
 
-def _split_input(call, zero_bias: bool, signed: bool, negative_weight: bool) -> _Split | None:
-    """The op's input split by sign when a fast form applies (``signed``: also to negative entries), else None.
-
-    ``negative_weight``: the rule reads ``W-`` also on a non-negative input.
-    """
+def _split_input(call, zero_bias: bool, signed: bool) -> _Split | None:
+    """The op's input split by sign when a fast form applies (``signed``: also to negative entries), else None."""
     if zero_bias or call.kind not in PARAMETRIC_KINDS or not getattr(call, "transposable", False):
         return None
     (x,) = call.inputs
     nonnegative = not bool(x.amin() < 0)  # one reduction pass, no mask tensor
     if not (nonnegative or signed):
         return None
-    w_pos, w_neg = call.weight_parts(negative=negative_weight or not nonnegative)
+    w_pos, w_neg = call.weight_parts(negative=not nonnegative)
     b_pos = call.bias.clamp(min=0) if call.bias is not None else None
     if nonnegative:
         return _Split(x, None, call.evaluate(x, w_pos, b_pos), w_pos, w_neg)
@@ -406,7 +402,6 @@ class AlphaBeta(BasicRule):
     needs_output = True  # the fast form reads z
 
     splits_signed = True
-    splits_negative_weight = True
 
     def propagate_split(self, call, relevance, split):
         # P >= 0 and N = z - P <= 0: the sums of the positive and of the negative contributions. x+ takes the
@@ -417,14 +412,20 @@ class AlphaBeta(BasicRule):
         negative = torch.sub(call.output, split.positive) if z is None else z.sub_(split.positive)
         negative = _nonpositive_denominator(negative, self.stabilizer)
         negative = torch.div(relevance, negative, out=negative)
+        if split.x_neg is None:  # x >= 0: W+ first, then W- written over it, one weight-sized tensor fewer
+            positive = _nonnegative_denominator(split.take_positive(), self.stabilizer)
+            positive = torch.div(relevance, positive, out=positive)
+            on_pos = call.transpose_with(positive, split.w_pos)
+            del positive
+            w_neg = call.negative_weight(out=split.w_pos)
+            return call.transpose_with(negative, w_neg).mul_(-self.beta).add_(on_pos, alpha=self.alpha) \
+                .mul_(split.x_pos)
         on_pos = call.transpose_with(negative, split.w_neg).mul_(-self.beta)
-        on_neg = None if split.x_neg is None else call.transpose_with(negative, split.w_pos).mul_(-self.beta)
+        on_neg = call.transpose_with(negative, split.w_pos).mul_(-self.beta)
         del negative
         positive = _nonnegative_denominator(split.take_positive(), self.stabilizer)
         positive = torch.div(relevance, positive, out=positive)
         grad = on_pos.add_(call.transpose_with(positive, split.w_pos), alpha=self.alpha).mul_(split.x_pos)
-        if on_neg is None:
-            return grad
         return grad.add_(on_neg.add_(call.transpose_with(positive, split.w_neg), alpha=self.alpha).mul_(split.x_neg))
 
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_bias: bool = False):
