@@ -106,6 +106,8 @@ class OpCall:
         for slot, value in zip(self._slots, self.inputs):
             leaves[slot] = value
         self._leaves = leaves
+        #: the inputs' version counters once the op has run (see :meth:`check_inputs`)
+        self.versions: tuple[int, ...] = ()
         self.output: Tensor | None = None
         #: whether an in-place ReLU has since overwritten the output in its memory: it holds relu(z) >= 0
         self.output_nonnegative = False
