@@ -101,6 +101,19 @@ def test_ignored_result_of_an_inplace_op_still_counts():
     torch.testing.assert_close(relevance.sum(1), model(x)[:, 0].detach(), rtol=1e-10, atol=0)
 
 
+def in_place_form_matches(make) -> torch.Tensor:
+    """``make(True)`` and ``make(False)``, a model with in-place ops and the same without: equal relevance."""
+    torch.manual_seed(0)
+    in_place, out_of_place = make(True).double().eval(), make(False).double().eval()
+    out_of_place.load_state_dict(in_place.state_dict())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(in_place(x), out_of_place(x), rtol=1e-12, atol=0)
+    expected = relprop.LRP(out_of_place, relprop.composites.Epsilon(0.1)).attribute(x, target=1)
+    relevance = relprop.LRP(in_place, relprop.composites.Epsilon(0.1)).attribute(x, target=1)
+    torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=0)
+    return relevance
+
+
 IN_PLACE = {  # in place, and the same op out of place
     "+=": (lambda h, g, c: h.__iadd__(g), lambda h, g, c: h + g),
     "add_ alpha": (lambda h, g, c: h.add_(g, alpha=-0.5), lambda h, g, c: h - 0.5 * g),
@@ -129,15 +142,7 @@ def test_in_place_ops_give_the_relevance_of_their_out_of_place_form(form, then):
             h = h.relu_() if then == "relu_" else h.mul_(0.5) if then == "mul_" else h
             return self.head(h)
 
-    torch.manual_seed(0)
-    in_place, out_of_place = Residual(True).double().eval(), Residual(False).double().eval()
-    out_of_place.load_state_dict(in_place.state_dict())
-    x = torch.randn(3, 4, dtype=torch.float64)
-    torch.testing.assert_close(in_place(x), out_of_place(x), rtol=1e-12, atol=0)
-    expected = relprop.LRP(out_of_place, relprop.composites.Epsilon(0.1)).attribute(x, target=1)
-    relevance = relprop.LRP(in_place, relprop.composites.Epsilon(0.1)).attribute(x, target=1)
-    torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=0)
-    assert relevance.abs().sum() > 0
+    assert in_place_form_matches(Residual).abs().sum() > 0
 
 
 @pytest.mark.parametrize("chain", ["relu_ sub_", "relu_ mul_", "relu_ relu_ add_"])
@@ -156,14 +161,7 @@ def test_in_place_ops_after_an_in_place_relu_leave_the_layer_its_output(chain):
                 h = getattr(h, op)(*args) if self.in_place else getattr(torch, op.rstrip("_"))(h, *args)
             return self.head(h)
 
-    torch.manual_seed(0)
-    in_place, out_of_place = Chain(True).double().eval(), Chain(False).double().eval()
-    out_of_place.load_state_dict(in_place.state_dict())
-    x = torch.randn(3, 4, dtype=torch.float64)
-    torch.testing.assert_close(in_place(x), out_of_place(x), rtol=1e-12, atol=0)
-    expected = relprop.LRP(out_of_place, relprop.composites.Epsilon(0.1)).attribute(x, target=0)
-    relevance = relprop.LRP(in_place, relprop.composites.Epsilon(0.1)).attribute(x, target=0)
-    torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=0)
+    in_place_form_matches(Chain)
 
 
 def test_repeated_calls_give_identical_results():
