@@ -5,7 +5,10 @@ warm-up, and the table reports medians, so that a noisy shared machine
 affects all methods alike. Peak memory is measured in a fresh subprocess per
 method: the peak resident memory of one run above the resident memory before
 it (after a warm-up run; Linux's peak is reset through /proc/self/clear_refs).
-``python benchmarks/bench.py --help`` lists the options.
+New tensors (``--allocations``) are counted at the ATen level in one more run:
+a figure that does not move with the machine's load, and on a CPU the memory
+the kernel faults in page by page. ``python benchmarks/bench.py --help`` lists
+the options.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 import torchvision
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import relprop
 
@@ -152,6 +157,41 @@ def time_transformer(name: str, batch: int, length: int, rounds: int) -> dict[st
     return {key: statistics.median(values) for key, values in times.items()}
 
 
+class _NewTensors(TorchDispatchMode):
+    """Adds up the bytes of the new tensors of 1 MiB or more that ATen ops return (not those they wrote into)."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                if storage.nbytes() >= 2 ** 20 and storage.data_ptr() not in given:
+                    self.total += storage.nbytes()
+        return out
+
+
+def new_tensors(name: str, batch: int, size: int, which: list[str]) -> dict[str, float]:
+    """MiB of new tensors of 1 MiB or more in one run of each method (after a warm-up run)."""
+    torch.manual_seed(0)
+    model = build(name)
+    x = torch.randn(batch, 3, size, size)
+    target = torch.randint(0, 1000, (batch,)).tolist()
+    found = {}
+    for key, run in methods(model, name, which).items():
+        if "compile" in key:  # compiled code runs below the dispatcher's Python modes
+            continue
+        run(model, x, target)
+        with _NewTensors() as counter:
+            run(model, x, target)
+        found[key] = counter.total / 2 ** 20
+    return found
+
+
 def _status(field: str) -> int:
     """A memory figure of this process from /proc/self/status, in KiB."""
     with open("/proc/self/status") as handle:
@@ -192,6 +232,8 @@ def main() -> None:
     parser.add_argument("--with", dest="which", nargs="*", default=["zennit", "captum", "compile"],
                         help="references to include: zennit captum compile")
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (one subprocess each)")
+    parser.add_argument("--allocations", action="store_true",
+                        help="also add up the new tensors of 1 MiB or more of one run")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -209,10 +251,12 @@ def main() -> None:
             times = time_all(name, batch, args.size, args.rounds, args.which)
             base = times["gradient"]
             print(f"\n## {name}, batch {batch}\n")
-            header = "| method | time (s) | x gradient |" + (" peak MiB | x gradient |" if args.memory else "")
+            header = "| method | time (s) | x gradient |" + (" peak MiB | x gradient |" if args.memory else "") \
+                + (" new tensors MiB | x gradient |" if args.allocations else "")
             print(header)
             print("|" + "|".join([" --- "] * (header.count("|") - 1)) + "|")
             memory_base = peak_memory(name, batch, args.size, "gradient", args.which) if args.memory else None
+            allocated = new_tensors(name, batch, args.size, args.which) if args.allocations else {}
             for key, seconds in times.items():
                 row = f"| {key} | {seconds:.3f} | {seconds / base:.2f} |"
                 if args.memory and "compile" in key:  # a fresh process would spend minutes compiling
@@ -220,6 +264,9 @@ def main() -> None:
                 elif args.memory:
                     peak = peak_memory(name, batch, args.size, key, args.which)
                     row += f" {peak:.0f} | {peak / memory_base:.2f} |"
+                if args.allocations:
+                    row += f" {allocated[key]:.0f} | {allocated[key] / allocated['gradient']:.2f} |" \
+                        if key in allocated else " - | - |"
                 print(row, flush=True)
     for name in args.transformers:
         for batch in args.transformer_batches:
