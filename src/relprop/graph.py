@@ -178,22 +178,24 @@ class OpCall:
         leaves, out = self._graph
         return torch.autograd.grad(out, leaves, grad, allow_unused=True)
 
-    def writable_output(self) -> Tensor | None:
-        """:attr:`output`, if no other tensor shares its memory; else None.
+    def take_output(self) -> Tensor | None:
+        """:attr:`output` for the rule to write into, if no other tensor shares its memory; else None.
 
         By the time the relevance reaches an op, every op that read its output
         has passed the relevance on and freed its inputs; if the model, the
         user or a hook kept no tensor in the same memory either, nothing can
         read it any more, and the rule may write into it instead of into a
-        new tensor of the same size. The check counts the tensors on the
-        memory (views and aliases included), and that only the storage object
-        made to ask is held nowhere else; where PyTorch does not expose the
-        count, the answer is None.
+        new tensor of the same size. The call then drops its own reference,
+        so the memory is freed as soon as the rule is done with it. The check
+        counts the tensors on the memory (views and aliases included), and
+        that only the storage object made to ask is held nowhere else; where
+        PyTorch does not expose the count, the answer is None.
         """
         lone = _lone_storage_counts()
-        if self.output is None or lone is None:
+        if self.output is None or lone is None or _storage_counts(self.output) != lone:
             return None
-        return self.output if _storage_counts(self.output) == lone else None
+        output, self.output = self.output, None
+        return output
 
     def prepare(self) -> None:
         """Let the rule precompute from the output, once: in the backward pass, or before the output changes."""

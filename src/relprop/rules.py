@@ -158,7 +158,7 @@ class Epsilon(Rule):
         if self.zero_bias and call.bias is not None:
             call.inverse = inverse_denominator(call.output - call.bias_term(), self.epsilon)
         else:
-            z = call.writable_output() if call.output_nonnegative else None
+            z = call.take_output() if call.output_nonnegative else None
             call.inverse = inverse_denominator(call.output if z is None else z, self.epsilon, in_place=z is not None)
 
     def propagate(self, call, relevance):
@@ -408,8 +408,9 @@ class AlphaBeta(BasicRule):
         # positive ones through W+ and the negative ones through W-, x- the other way round. Each quotient
         # is freed once its products are done: at most four map-sized tensors at once, the relevance included.
         # (W-^T n as W^T n - W+^T n would spare W-, but cancels badly where N is near 0.)
-        z = call.writable_output()
+        z = call.take_output()
         negative = torch.sub(call.output, split.positive) if z is None else z.sub_(split.positive)
+        del z  # `negative` alone holds the output's memory now: freed with it
         negative = _nonpositive_denominator(negative, self.stabilizer)
         negative = torch.div(relevance, negative, out=negative)
         if split.x_neg is None:  # x >= 0: W+ first, then W- written over it, one weight-sized tensor fewer
@@ -468,13 +469,14 @@ class Gamma(BasicRule):
         # two map-sized tensors: t and the output's memory (a copy where the output is not writable).
         gamma = self.gamma
         slope = 1 / (1 + gamma)
-        z = call.writable_output()
+        z = call.take_output()
         z = call.output.clone() if z is None else z
         epsilon = _stabilizer(self.stabilizer, z.dtype)
         t = split.take_positive().mul_(gamma).add_(epsilon)
         # w t as a leaky ReLU of copysign(t, z); z + w t has the sign of z and |z + w t| >= t
         shared = F.leaky_relu_(t.copysign_(z), slope).add_(z)
         a = z.ne_(0).mul_(relevance).div_(shared)  # where z = 0 nothing is shared
+        del z  # `a` alone holds the output's memory now: freed before the second transposed product
         if not epsilon:  # t may be 0 too there
             a = a.nan_to_num_(0.0, 0.0, 0.0)
         (grad,) = call.vjp(a)  # W^T a; a merged BatchNorm's scale goes onto the smaller operand
@@ -524,7 +526,7 @@ class ZBox(BasicRule):
         (x,) = call.inputs
         low, high = _bound_image(self.low, x), _bound_image(self.high, x)
         w_pos, w_neg = call.weight_parts(negative=True)
-        z = call.writable_output()
+        z = call.take_output()
         if z is None:
             z = call.output - call.bias_term() if call.bias is not None else call.output.clone()
         elif call.bias is not None:
