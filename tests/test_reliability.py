@@ -116,3 +116,32 @@ def test_activations_are_freed_as_the_relevance_passes(preset):
     layer = relprop.LayerLRP(model, model[0], relprop.composites.get(preset, **kwargs))
     layer._run(torch.randn(2, 3, 8, 8), 1, None, False, reduce=check)
     assert sorted(later_inputs) == [4, 6] and alive == [[]]
+
+
+@pytest.mark.parametrize("preset", ["epsilon-plus", "epsilon-alpha2-beta1", "epsilon-gamma-box"])
+def test_layers_share_one_buffer_for_their_positive_weights(preset, monkeypatch):
+    # W+ of every layer goes into one buffer per forward pass: were two of them alive at once (z^B's W+ and W-,
+    # AlphaBeta's W- written over W+), the later would overwrite the earlier, and the relevance would change
+    model, x = net().double(), torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    lrp = relprop.LRP(model, relprop.composites.get(preset, **({"low": -3.0, "high": 3.0} if "box" in preset else {})))
+    like, pointers = relprop.graph.Workspace.like, []
+
+    def recorded(workspace, tensor):
+        pointers.append(like(workspace, tensor).data_ptr())
+        return like(workspace, tensor)
+
+    monkeypatch.setattr(relprop.graph.Workspace, "like", recorded)
+    shared = lrp.attribute(x, target=1)
+    monkeypatch.setattr(relprop.graph.Workspace, "like", lambda workspace, tensor: torch.empty_like(tensor))
+    fresh = lrp.attribute(x, target=1)
+    assert len(pointers) >= 3 and len(set(pointers)) <= 2  # four convolutions; the buffer grows once, at most
+    assert torch.equal(shared, fresh)
+
+
+def test_workspace_grows_without_overwriting_a_tensor_still_in_use():
+    workspace = relprop.graph.Workspace()
+    small = workspace.like(torch.empty(2)).fill_(1.0)
+    large = workspace.like(torch.empty(3, 3)).fill_(2.0)
+    assert small.tolist() == [1.0, 1.0] and large.shape == (3, 3)
+    assert workspace.like(torch.empty(2, 2)).data_ptr() == large.data_ptr()
+    assert workspace.like(torch.empty(2, dtype=torch.float64)).data_ptr() != large.data_ptr()

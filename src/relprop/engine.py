@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import rules
-from .graph import OpCall, is_activation, is_relevance_node, propagate, tap, watch
+from .graph import OpCall, Workspace, is_activation, is_relevance_node, propagate, tap, watch
 from .ops import ALWAYS_HANDLED, HANDLERS, from_aten, has_activation, op_name
 
 __all__ = ["Session", "RuleError", "UnsupportedOpError", "UnhandledOpWarning"]
@@ -127,6 +127,8 @@ class Session(TorchFunctionMode):
         #: tap output -> its record (so that a BatchNorm merged across a tap keeps it)
         self.tapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.unhandled: list[str] = []
+        #: scratch memory the parametric op calls share (see :class:`relprop.graph.Workspace`)
+        self.workspace = Workspace()
 
     # ------------------------------------------------------------ module context
 

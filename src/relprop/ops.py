@@ -282,7 +282,8 @@ def _parametric(kind: str, names: tuple[str, ...]) -> Handler:
             channel_dim = (1 if options.get("groups", 1) == 1 else None) if transposed else 0
         # the forward value comes from the model's own parameters: some kernels choose by requires_grad
         call = ParametricCall(kind, func, (x, _constant(original_weight), _constant(original_bias)), options,
-                              op_name(func), session.module_name, weight, bias, evaluate, channel_dim, transpose)
+                              op_name(func), session.module_name, weight, bias, evaluate, channel_dim, transpose,
+                              session.workspace)
         call.is_first = session.fed_by_input(x)
         return session.run(call)
     return handle
@@ -302,7 +303,7 @@ def _addmm(session, func, args, kwargs):
 
     constants = (weight.detach(), bias.detach() if bias is not None else None)
     call = ParametricCall("dense", func, (bias, x, weight), {}, op_name(func), session.module_name,
-                          *constants, evaluate, 1, lambda grad, w=constants[0]: grad @ w.T)
+                          *constants, evaluate, 1, lambda grad, w=constants[0]: grad @ w.T, session.workspace)
     call.is_first = session.fed_by_input(x)
     return session.run(call)
 
