@@ -7,8 +7,10 @@ method: the peak resident memory of one run above the resident memory before
 it (after a warm-up run; Linux's peak is reset through /proc/self/clear_refs).
 New tensors (``--allocations``) are counted at the ATen level in one more run:
 a figure that does not move with the machine's load, and on a CPU the memory
-the kernel faults in page by page. ``python benchmarks/bench.py --help`` lists
-the options.
+the kernel faults in page by page. On CUDA (``--device cuda``, the default
+where a GPU is present) every timed run ends with a synchronisation, and peak
+memory is the CUDA allocator's peak above the memory allocated before the run.
+``python benchmarks/bench.py --help`` lists the options.
 """
 from __future__ import annotations
 
@@ -36,8 +38,22 @@ ZENNIT = {"epsilon-plus": "EpsilonPlus", "epsilon-plus-flat": "EpsilonPlusFlat",
 BOUNDS = {"low": -3.0, "high": 3.0}
 
 
-def build(name: str) -> torch.nn.Module:
-    return torchvision.models.get_model(name, weights=None).eval()
+def setup(name: str, batch: int, size: int, device: str) -> tuple[torch.nn.Module, torch.Tensor, list[int]]:
+    """A torchvision model with random weights, a random input batch and a target class per sample."""
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(name, weights=None).eval().to(device)
+    x = torch.randn(batch, 3, size, size, device=device)
+    return model, x, torch.randint(0, 1000, (batch,)).tolist()
+
+
+def timed(run: Callable[[], object], device: str) -> float:
+    """Seconds one call of ``run`` takes, its GPU work included."""
+    synchronize = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
+    synchronize()
+    start = time.perf_counter()
+    run()
+    synchronize()
+    return time.perf_counter() - start
 
 
 def plain_gradient(model, x, target):
@@ -59,14 +75,15 @@ def zennit_method(model, preset, name):
     from zennit.torchvision import ResNetCanonizer, VGGCanonizer
 
     canonizer = ResNetCanonizer() if "resnet" in name else VGGCanonizer()
-    kwargs = {"low": torch.full((1, 3, 1, 1), -3.0), "high": torch.full((1, 3, 1, 1), 3.0)} \
-        if preset == "epsilon-gamma-box" else {}
+    device = next(model.parameters()).device
+    kwargs = {"low": torch.full((1, 3, 1, 1), -3.0, device=device),
+              "high": torch.full((1, 3, 1, 1), 3.0, device=device)} if preset == "epsilon-gamma-box" else {}
     composite = getattr(composites, ZENNIT[preset])(canonizers=[canonizer], **kwargs)
     reference = copy.deepcopy(model)
 
     def run(m, x, target):
         with Gradient(model=reference, composite=composite) as attributor:
-            return attributor(x, torch.eye(1000)[target])[1]
+            return attributor(x, torch.eye(1000, device=device)[target])[1]
     return run
 
 
@@ -103,20 +120,15 @@ def methods(model, name: str, which: list[str]) -> dict[str, Callable]:
     return table
 
 
-def time_all(name: str, batch: int, size: int, rounds: int, which: list[str]) -> dict[str, float]:
-    torch.manual_seed(0)
-    model = build(name)
-    x = torch.randn(batch, 3, size, size)
-    target = torch.randint(0, 1000, (batch,)).tolist()
+def time_all(name: str, batch: int, size: int, rounds: int, which: list[str], device: str) -> dict[str, float]:
+    model, x, target = setup(name, batch, size, device)
     table = methods(model, name, which)
     for run in table.values():  # warm-up
         run(model, x, target)
     times = {key: [] for key in table}
     for _ in range(rounds):
         for key, run in table.items():
-            start = time.perf_counter()
-            run(model, x, target)
-            times[key].append(time.perf_counter() - start)
+            times[key].append(timed(lambda: run(model, x, target), device))
     return {key: statistics.median(values) for key, values in times.items()}
 
 
@@ -132,10 +144,11 @@ def build_transformer(name: str):
     return transformers.BertForSequenceClassification(transformers.BertConfig()).eval(), 1
 
 
-def time_transformer(name: str, batch: int, length: int, rounds: int) -> dict[str, float]:
+def time_transformer(name: str, batch: int, length: int, rounds: int, device: str) -> dict[str, float]:
     """Plain forward + backward to the input embeddings against AttnLRP / CP-LRP to the tokens."""
     model, target = build_transformer(name)
-    ids = torch.randint(0, model.config.vocab_size, (batch, length))
+    model = model.to(device)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
 
     def gradient():
         embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
@@ -151,9 +164,7 @@ def time_transformer(name: str, batch: int, length: int, rounds: int) -> dict[st
     times = {key: [] for key in table}
     for _ in range(rounds):
         for key, run in table.items():
-            start = time.perf_counter()
-            run()
-            times[key].append(time.perf_counter() - start)
+            times[key].append(timed(run, device))
     return {key: statistics.median(values) for key, values in times.items()}
 
 
@@ -175,12 +186,9 @@ class _NewTensors(TorchDispatchMode):
         return out
 
 
-def new_tensors(name: str, batch: int, size: int, which: list[str]) -> dict[str, float]:
+def new_tensors(name: str, batch: int, size: int, which: list[str], device: str) -> dict[str, float]:
     """MiB of new tensors of 1 MiB or more in one run of each method (after a warm-up run)."""
-    torch.manual_seed(0)
-    model = build(name)
-    x = torch.randn(batch, 3, size, size)
-    target = torch.randint(0, 1000, (batch,)).tolist()
+    model, x, target = setup(name, batch, size, device)
     found = {}
     for key, run in methods(model, name, which).items():
         if "compile" in key:  # compiled code runs below the dispatcher's Python modes
@@ -198,13 +206,19 @@ def _status(field: str) -> int:
         return next(int(line.split()[1]) for line in handle if line.startswith(field + ":"))
 
 
-def peak_memory_child(name: str, batch: int, size: int, key: str, which: list[str]) -> None:
-    torch.manual_seed(0)
-    model = build(name)
-    x = torch.randn(batch, 3, size, size)
-    target = torch.randint(0, 1000, (batch,)).tolist()
+def peak_memory_child(name: str, batch: int, size: int, key: str, which: list[str], device: str) -> None:
+    """Print the peak memory of one run of method ``key`` above the memory before it, in KiB."""
+    model, x, target = setup(name, batch, size, device)
     run = methods(model, name, which)[key]
     run(model, x, target)  # warm-up: allocator caches, lazy initialisation
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run(model, x, target)
+        torch.cuda.synchronize()
+        print(json.dumps((torch.cuda.max_memory_allocated() - before) / 1024))
+        return
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")  # reset the peak resident size (VmHWM) to the current one
@@ -212,12 +226,16 @@ def peak_memory_child(name: str, batch: int, size: int, key: str, which: list[st
     print(json.dumps(_status("VmHWM") - before))
 
 
-def peak_memory(name: str, batch: int, size: int, key: str, which: list[str]) -> float:
+def peak_memory(name: str, batch: int, size: int, key: str, which: list[str], device: str) -> float:
     # large blocks mmapped, so that freed tensors leave the resident memory at once and RSS tracks live memory
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, __file__, "--memory-child", name, str(batch), str(size), key,
-                          "--with", *which], capture_output=True, text=True, check=True, env=env)
+                          "--with", *which, "--device", device], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1]) / 1024
+
+
+def ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}" if base > 0 else "-"  # small inputs: the gradient may allocate no large tensor
 
 
 def main() -> None:
@@ -231,6 +249,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--with", dest="which", nargs="*", default=["zennit", "captum", "compile"],
                         help="references to include: zennit captum compile")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, or cuda (the default where a GPU is present)")
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (one subprocess each)")
     parser.add_argument("--allocations", action="store_true",
                         help="also add up the new tensors of 1 MiB or more of one run")
@@ -238,39 +258,42 @@ def main() -> None:
     args = parser.parse_args()
     if args.memory_child:
         name, batch, size, key = args.memory_child
-        peak_memory_child(name, int(batch), int(size), key, args.which)
+        peak_memory_child(name, int(batch), int(size), key, args.which, args.device)
         return
 
-    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
+    machine = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else \
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    print(f"# {machine}, torch "
           f"{torch.__version__}, torchvision {torchvision.__version__}, float32, {args.size}x{args.size}, "
           f"median of {args.rounds} rounds, huge pages for large tensors (THP_MEM_ALLOC_ENABLE): "
           f"{'on' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else 'off'}, glibc malloc settings: "
           f"{' '.join(f'{k}={v}' for k, v in sorted(os.environ.items()) if k.startswith('MALLOC_')) or 'none'}")
     for name in args.models:
         for batch in args.batches:
-            times = time_all(name, batch, args.size, args.rounds, args.which)
+            times = time_all(name, batch, args.size, args.rounds, args.which, args.device)
             base = times["gradient"]
             print(f"\n## {name}, batch {batch}\n")
             header = "| method | time (s) | x gradient |" + (" peak MiB | x gradient |" if args.memory else "") \
                 + (" new tensors MiB | x gradient |" if args.allocations else "")
             print(header)
             print("|" + "|".join([" --- "] * (header.count("|") - 1)) + "|")
-            memory_base = peak_memory(name, batch, args.size, "gradient", args.which) if args.memory else None
-            allocated = new_tensors(name, batch, args.size, args.which) if args.allocations else {}
+            measure = (name, batch, args.size)
+            memory_base = peak_memory(*measure, "gradient", args.which, args.device) if args.memory else None
+            allocated = new_tensors(*measure, args.which, args.device) if args.allocations else {}
             for key, seconds in times.items():
                 row = f"| {key} | {seconds:.3f} | {seconds / base:.2f} |"
                 if args.memory and "compile" in key:  # a fresh process would spend minutes compiling
                     row += " - | - |"
                 elif args.memory:
-                    peak = peak_memory(name, batch, args.size, key, args.which)
-                    row += f" {peak:.0f} | {peak / memory_base:.2f} |"
+                    peak = peak_memory(*measure, key, args.which, args.device)
+                    row += f" {peak:.0f} | {ratio(peak, memory_base)} |"
                 if args.allocations:
-                    row += f" {allocated[key]:.0f} | {allocated[key] / allocated['gradient']:.2f} |" \
+                    row += f" {allocated[key]:.0f} | {ratio(allocated[key], allocated['gradient'])} |" \
                         if key in allocated else " - | - |"
                 print(row, flush=True)
     for name in args.transformers:
         for batch in args.transformer_batches:
-            times = time_transformer(name, batch, 128, args.rounds)
+            times = time_transformer(name, batch, 128, args.rounds, args.device)
             print(f"\n## {name} (from config), batch {batch}, 128 tokens\n")
             print("| method | time (s) | x forward+backward |\n| --- | --- | --- |")
             for key, seconds in times.items():
