@@ -428,8 +428,11 @@ class InPlaceSumCall(OpCall):
         return False
 
     def prepare(self) -> None:
-        """Also let the producer of ``x`` prepare, as it may at any time: if it then reads no more of the copy of
-        ``x``, the copy is the rule's alone to write into (one map-sized tensor fewer on every residual connection).
+        """Prepare, and let the producer of ``x`` prepare too.
+
+        The producer may prepare at any time. If it then reads no more of the
+        copy of ``x``, the copy is this rule's alone to write into: one
+        map-sized tensor fewer on every residual connection.
         """
         super().prepare()
         if self._producer is not None:

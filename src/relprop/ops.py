@@ -172,8 +172,7 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
             _protect_before(session, func, target)
             if (out := _in_place_pass(session, func, args, kwargs, handler)) is not None:
                 return out
-            source = target
-        result = handler(session, out_of_place, (source, *args[1:]), kwargs)
+        result = handler(session, out_of_place, args, kwargs)
         return session.overwritten(write_into(target, result), result)
     return handle
 
@@ -775,4 +774,3 @@ def _resolve_aten(op: torch._ops.OpOverload) -> tuple[Handler, Callable, Callabl
             handler = HANDLERS[func]
             return handler, (op if handler is _run else func), None
     return None
-
