@@ -249,9 +249,8 @@ class Workspace:
     device and dtype, the size of the largest such tensor, serves every
     layer. A new tensor per layer would cost as much memory at any moment,
     but on a CPU each is fresh memory from the operating system (it is above
-    glibc's mmap threshold), faulted in page by page: on ResNet50 at batch 1
-    that was 70 MB of page faults per attribution, a fifth of EpsilonPlus's
-    time.
+    glibc's mmap threshold), faulted in page by page: 71 MiB of them per
+    attribution on ResNet50 (``benchmarks/README.md``).
     """
 
     def __init__(self):
