@@ -1,0 +1,35 @@
+"""The benchmark script (benchmarks/bench.py): its allocation count, and one small run end to end."""
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import bench  # noqa: E402
+
+
+def test_new_tensors_counts_large_results_and_not_what_an_op_writes_into():
+    existing = torch.zeros(2 ** 20)  # 4 MiB
+    with bench._NewTensors() as counter:
+        torch.ones(3 * 2 ** 18)  # 3 MiB: counted
+        torch.ones(1000)  # below 1 MiB: not counted
+        existing.add_(1.0)  # written in place: not counted
+        torch.mul(existing, 2.0, out=existing)  # an output argument: not counted
+        existing.view(-1, 2)  # a view of memory that exists: not counted
+    assert counter.total == 3 * 2 ** 20
+
+
+def test_a_small_run_prints_every_method_with_its_ratios():
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench.py"), "--models", "resnet18", "--batches", "1", "--size", "32",
+         "--rounds", "1", "--transformers", "--with", "--allocations", "--device", "cpu"],
+        capture_output=True, text=True, check=True).stdout
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines() if line.startswith("| ")}
+    methods = ["gradient"] + [f"relprop {preset}" for preset in bench.PRESETS]
+    assert set(methods) <= set(rows)
+    assert rows["gradient"][1].strip() == "1.00"  # the time ratio of the reference to itself
+    for method in methods:
+        seconds, ratio, allocated, _ = (cell.strip() for cell in rows[method])
+        assert float(seconds) > 0 and float(ratio) > 0 and float(allocated) >= 0
