@@ -127,8 +127,9 @@ def test_layers_share_one_buffer_for_their_positive_weights(preset, monkeypatch)
     like, pointers = relprop.graph.Workspace.like, []
 
     def recorded(workspace, tensor):
-        pointers.append(like(workspace, tensor).data_ptr())
-        return like(workspace, tensor)
+        buffer = like(workspace, tensor)
+        pointers.append(buffer.data_ptr())
+        return buffer
 
     monkeypatch.setattr(relprop.graph.Workspace, "like", recorded)
     shared = lrp.attribute(x, target=1)
