@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["OpCall", "ParametricCall", "InPlaceSumCall", "is_activation", "propagate", "watch", "tap", "substitute",
-           "is_relevance_node"]
+__all__ = ["OpCall", "ParametricCall", "InPlaceSumCall", "Workspace", "is_activation", "propagate", "watch", "tap",
+           "substitute", "is_relevance_node"]
 
 
 def is_activation(value: Any) -> bool:
