@@ -46,12 +46,12 @@ def setup(name: str, batch: int, size: int, device: str) -> tuple[torch.nn.Modul
     return model, x, torch.randint(0, 1000, (batch,)).tolist()
 
 
-def timed(run: Callable[[], object], device: str) -> float:
-    """Seconds one call of ``run`` takes, its GPU work included."""
+def timed(device: str, run: Callable, *args) -> float:
+    """Seconds one call ``run(*args)`` takes, its GPU work included."""
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
     synchronize()
     start = time.perf_counter()
-    run()
+    run(*args)
     synchronize()
     return time.perf_counter() - start
 
@@ -128,7 +128,7 @@ def time_all(name: str, batch: int, size: int, rounds: int, which: list[str], de
     times = {key: [] for key in table}
     for _ in range(rounds):
         for key, run in table.items():
-            times[key].append(timed(lambda: run(model, x, target), device))
+            times[key].append(timed(device, run, model, x, target))
     return {key: statistics.median(values) for key, values in times.items()}
 
 
@@ -164,7 +164,7 @@ def time_transformer(name: str, batch: int, length: int, rounds: int, device: st
     times = {key: [] for key in table}
     for _ in range(rounds):
         for key, run in table.items():
-            times[key].append(timed(run, device))
+            times[key].append(timed(device, run))
     return {key: statistics.median(values) for key, values in times.items()}
 
 
