@@ -7,7 +7,7 @@ import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-import bench  # noqa: E402
+import bench
 
 
 def test_new_tensors_counts_large_results_and_not_what_an_op_writes_into():

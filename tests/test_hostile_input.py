@@ -73,8 +73,8 @@ class Hostile(nn.Module):
     ("string", TypeError, "relprop: the model returned str"),
     ("dict", TypeError, "without any tensor"),
     ("no-grad", RuntimeError, "relprop: the model output does not depend on the inputs"),
-    ("modify-read-input", RuntimeError, "input 0 of torch.nn.functional.linear in module 'head' was modified in "
-                                        "place after the op read it"),
+    ("modify-read-input", RuntimeError,
+     "input 0 of torch.nn.functional.linear in module 'head' was modified in place after the op read it"),
 ])
 def test_models_that_misbehave(behaviour, error, match):
     hostile = Hostile(behaviour).eval()
