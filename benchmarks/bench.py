@@ -177,12 +177,15 @@ class _NewTensors(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        # memory by address: a tensor's storage object, once made, counts as a reference to its memory as long
+        # as the memory lives, and autograd then accumulates gradients arriving there out of place
+        given = {torch._C._storage_address(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                if storage.nbytes() >= 2 ** 20 and storage.data_ptr() not in given:
-                    self.total += storage.nbytes()
+            if isinstance(tensor, torch.Tensor) and tensor.nbytes >= 2 ** 20:
+                memory = torch._C._storage_address(tensor)
+                if memory not in given:
+                    given.add(memory)  # one op's outputs on the same new memory count once
+                    self.total += tensor.nbytes
         return out
 
 

@@ -18,7 +18,11 @@ def test_new_tensors_counts_large_results_and_not_what_an_op_writes_into():
         existing.add_(1.0)  # written in place: not counted
         torch.mul(existing, 2.0, out=existing)  # an output argument: not counted
         existing.view(-1, 2)  # a view of memory that exists: not counted
-    assert counter.total == 3 * 2 ** 20
+        new = torch.ones(2 ** 18)
+    assert counter.total == 3 * 2 ** 20 + 2 ** 20
+    # counting made no storage object: it would hold the memory, and autograd would then add gradients
+    # arriving there out of place
+    assert torch._C._storage_Use_Count(torch._C._storage_address(new)) == 1
 
 
 def test_a_small_run_prints_every_method_with_its_ratios():

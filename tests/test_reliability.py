@@ -146,3 +146,18 @@ def test_workspace_grows_without_overwriting_a_tensor_still_in_use():
     assert small.tolist() == [1.0, 1.0] and large.shape == (3, 3)
     assert workspace.like(torch.empty(2, 2)).data_ptr() == large.data_ptr()
     assert workspace.like(torch.empty(2, dtype=torch.float64)).data_ptr() != large.data_ptr()
+
+
+@pytest.mark.parametrize("preset", ["epsilon", "epsilon-plus", "epsilon-plus-flat", "epsilon-alpha2-beta1",
+                                    "epsilon-gamma-box"])
+def test_relevances_meeting_at_a_residual_connection_are_added_in_place(preset):
+    # autograd adds the relevances arriving at a block's input into the first one if nothing else holds its
+    # memory, as it adds gradients; a storage object made by a check (`untyped_storage()`) lives as long as the
+    # memory and counts as a holder, and every such sum was a new map (5 on this ResNet18)
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    kwargs = {"low": -3.0, "high": 3.0} if preset == "epsilon-gamma-box" else {}
+    lrp = relprop.LRP(model, relprop.composites.get(preset, **kwargs))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+        lrp.attribute(torch.randn(1, 3, 32, 32), target=1)
+    sums = [event.input_shapes for event in profile.events() if event.name == "aten::add"]
+    assert sums and not [shapes for shapes in sums if len(shapes[1]) == 4]  # BatchNorm's var + eps, no maps

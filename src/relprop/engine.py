@@ -187,8 +187,7 @@ class Session(TorchFunctionMode):
     def token_embedding(self, ids: Any, vectors: Tensor) -> Tensor:
         """Embedded vectors of an integer model input become leaves that collect its tokens' relevance."""
         for index, tokens in enumerate(self._token_inputs):
-            if (isinstance(ids, Tensor) and ids.numel() == tokens.numel() and ids.device == tokens.device
-                    and ids.untyped_storage().data_ptr() == tokens.untyped_storage().data_ptr()):
+            if isinstance(ids, Tensor) and ids.numel() == tokens.numel() and torch._C._is_alias_of(ids, tokens):
                 leaf = vectors.detach().requires_grad_()
                 self.embeddings.setdefault(index, []).append(leaf)
                 return leaf.clone()  # not the leaf itself, so that in-place ops on the embeddings are allowed

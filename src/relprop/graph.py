@@ -11,7 +11,6 @@ in the backward pass.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -43,21 +42,26 @@ def _holds_activation(value: Any) -> bool:
     return False
 
 
-def _storage_counts(tensor: Tensor) -> tuple[int, int]:
-    """References to ``tensor``'s storage from tensors (and the storage object), and to the storage object."""
-    storage = tensor.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+def _storage_count(tensor: Tensor) -> int:
+    """References to ``tensor``'s memory: from tensors (views and aliases included) and from storage objects.
+
+    It asks by address: ``tensor.untyped_storage()`` would make a storage
+    object that lives as long as the memory and counts as a reference, and
+    autograd then adds every gradient that arrives after a relevance in that
+    memory into a new tensor instead of into it.
+    """
+    return torch._C._storage_Use_Count(torch._C._storage_address(tensor))
 
 
 @functools.cache
-def _lone_storage_counts() -> tuple[int, int] | None:
-    """:func:`_storage_counts` of a tensor that nothing else references, as this PyTorch version counts them.
+def _lone_storage_count() -> int | None:
+    """:func:`_storage_count` of a tensor that nothing else references, as this PyTorch version counts it.
 
     None if PyTorch does not expose the count of a storage's references.
     """
-    if not hasattr(torch._C, "_storage_Use_Count"):
+    if not (hasattr(torch._C, "_storage_Use_Count") and hasattr(torch._C, "_storage_address")):
         return None
-    return _storage_counts(torch.empty(1))
+    return _storage_count(torch.empty(1))
 
 
 class OpCall:
@@ -187,12 +191,12 @@ class OpCall:
         read it any more, and the rule may write into it instead of into a
         new tensor of the same size. The call then drops its own reference,
         so the memory is freed as soon as the rule is done with it. The check
-        counts the tensors on the memory (views and aliases included), and
-        that only the storage object made to ask is held nowhere else; where
-        PyTorch does not expose the count, the answer is None.
+        counts the references to the memory (views, aliases and storage
+        objects included); where PyTorch does not expose the count, the answer
+        is None.
         """
-        lone = _lone_storage_counts()
-        if self.output is None or lone is None or _storage_counts(self.output) != lone:
+        lone = _lone_storage_count()
+        if self.output is None or lone is None or _storage_count(self.output) != lone:
             return None
         output, self.output = self.output, None
         return output

@@ -179,7 +179,8 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
 
 def _aliases(value: Any, target: Tensor) -> bool:
     """Whether ``value`` is a tensor in ``target``'s memory (``target`` itself, or a view of it)."""
-    return isinstance(value, Tensor) and value.untyped_storage().data_ptr() == target.untyped_storage().data_ptr()
+    # not by their storage objects: made once, one lives as long as the memory (see graph._storage_count)
+    return isinstance(value, Tensor) and torch._C._is_alias_of(value, target)
 
 
 def _in_place_sum(out_of_place: Callable, sign: int) -> Handler:
