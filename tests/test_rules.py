@@ -80,6 +80,7 @@ LAYERS = {
     "conv2d": (lambda bias: nn.Conv2d(2, 3, 3, stride=2, padding=1, bias=bias), (2, 6, 5)),
     "conv3d": (lambda bias: nn.Conv3d(2, 2, 2, padding=1, bias=bias), (2, 3, 3, 2)),
     "conv_transpose2d": (lambda bias: nn.ConvTranspose2d(2, 3, 3, stride=2, bias=bias), (2, 3, 3)),
+    "grouped-conv2d": (lambda bias: nn.Conv2d(2, 4, 3, padding=1, groups=2, bias=bias), (2, 6, 5)),
     # the engine merges the BatchNorm into the layer (signed scales): the rule sees the merged weight and bias
     "linear+batch_norm": (lambda bias: _with_batch_norm(nn.Linear(6, 4, bias=bias), nn.BatchNorm1d(4)), (6,)),
     "conv2d+batch_norm": (lambda bias: _with_batch_norm(nn.Conv2d(2, 3, 3, stride=2, padding=1, bias=bias),
@@ -149,22 +150,41 @@ def test_rule_matches_matrix_form_where_an_output_is_exactly_zero(rule_name, sig
         torch.testing.assert_close(attributed[example], expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("layer_name", ["linear", "conv2d", "conv3d", "conv2d+batch_norm"])
-def test_zbox_matches_matrix_form_with_per_channel_bounds(layer_name):
+@pytest.mark.parametrize("bounds", ["per-channel", "scalar", "per-position"])
+@pytest.mark.parametrize("layer_name", ["linear", "conv2d", "conv3d", "conv2d+batch_norm", "conv_transpose2d",
+                                        "grouped-conv2d"])
+def test_zbox_matches_matrix_form(layer_name, bounds, monkeypatch):
     make, in_shape = LAYERS[layer_name]
     layer = make(True).double().eval()
-    channels = in_shape[0]
-    bound_shape = (1, channels) + (1,) * (len(in_shape) - 1)
+    channels = in_shape[-1] if layer_name == "linear" else in_shape[0]
+    bound_shape = (1, channels) if layer_name == "linear" else (1, channels) + (1,) * (len(in_shape) - 1)
     low = -torch.linspace(1.0, 2.0, channels, dtype=torch.float64).reshape(bound_shape)
     high = torch.linspace(1.5, 3.0, channels, dtype=torch.float64).reshape(bound_shape)
-    if layer_name == "linear":
-        low, high = low.reshape(1, -1).expand(1, 6), high.reshape(1, -1).expand(1, 6)
-    x = torch.max(torch.min(torch.randn(2, *in_shape, dtype=torch.float64), high), low)
+    if bounds == "scalar":
+        low, high = -1.5, 2.0
+    elif bounds == "per-position":
+        low = low - torch.rand(1, *in_shape, dtype=torch.float64)
+        high = high + torch.rand(1, *in_shape, dtype=torch.float64)
+    x = torch.max(torch.min(torch.randn(2, *in_shape, dtype=torch.float64), torch.as_tensor(high)),
+                  torch.as_tensor(low))
     rule = rules.ZBox(low, high, stabilizer=1e-3)
+    # bounds the same at every position of a channel are folded into one weight, l W+ + h W-, but not into a
+    # grouped convolution's
+    folded, bound_weight = [], rules.ZBox._bound_weight
+
+    def recorded(*args):
+        weight = bound_weight(*args)
+        folded.append(weight is not None)
+        return weight
+
+    monkeypatch.setattr(rules.ZBox, "_bound_weight", recorded)
     R = torch.randn_like(layer(x))
     attributed = relprop.LRP(layer, relprop.Composite(conv=rule, dense=rule)).attribute(x, target=R)
+    # (a dense layer's positions are its input channels)
+    assert folded == [layer_name != "grouped-conv2d" and (bounds != "per-position" or layer_name == "linear")]
     W, b = matrix_form(layer, in_shape)
-    low_flat, high_flat = low.expand_as(x[:1]).flatten(), high.expand_as(x[:1]).flatten()
+    low_flat, high_flat = (torch.as_tensor(bound, dtype=torch.float64).expand_as(x[:1]).flatten()
+                           for bound in (low, high))
     for example in range(2):
         expected = reference(rule, x[example].flatten(), W, b, R[example].flatten(), low_flat, high_flat)
         torch.testing.assert_close(attributed[example].flatten(), expected, rtol=1e-10, atol=1e-12)

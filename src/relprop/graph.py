@@ -342,6 +342,23 @@ class ParametricCall(OpCall):
         shape[self._channel_dim] = -1
         return torch.mul(self._weight, self._batch_norm[0].reshape(shape), out=out)
 
+    def scale_input_channels(self, weight: Tensor, scale: Tensor) -> Tensor | None:
+        """``weight`` (shaped like :attr:`weight`) multiplied in place by ``scale``, one factor per input channel.
+
+        The op with the result equals the op on its input multiplied channel by
+        channel by ``scale`` (a vector as long as the input has channels).
+        None, and ``weight`` left as it is, where the weight does not index
+        the input channels one by one (grouped convolutions).
+        """
+        if self._channel_dim is None:
+            return None
+        dim = 1 - self._channel_dim  # the weight's other leading dimension
+        if weight.shape[dim] != scale.numel():
+            return None
+        shape = [1] * weight.dim()
+        shape[dim] = -1
+        return weight.mul_(scale.reshape(shape))
+
     def _output_shape(self, vector: Tensor) -> Tensor:
         """A per-channel vector shaped to broadcast against the output."""
         shape = [1] * self.output_dim

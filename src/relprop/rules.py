@@ -524,20 +524,42 @@ class ZBox(BasicRule):
             return super().propagate(call, relevance)
         # x W - l W+ - h W-: x W is the output less its bias; bounds shared by the batch are evaluated once
         (x,) = call.inputs
-        low, high = _bound_image(self.low, x), _bound_image(self.high, x)
         w_pos, w_neg = call.weight_parts(negative=True)
         z = call.take_output()
         if z is None:
             z = call.output - call.bias_term() if call.bias is not None else call.output.clone()
         elif call.bias is not None:
             z = z.sub_(call.bias_term())
-        z = z.sub_(call.evaluate(low, w_pos, None)).sub_(call.evaluate(high, w_neg, None))
+        bounds = self._bound_weight(call, x, w_pos, w_neg)
+        if bounds is not None:
+            z = z.sub_(call.evaluate(torch.ones_like(x[:1]), bounds, None))
+        else:
+            low, high = _bound_image(self.low, x), _bound_image(self.high, x)
+            z = z.sub_(call.evaluate(low, w_pos, None)).sub_(call.evaluate(high, w_neg, None))
         shared = denominator(z, self.stabilizer)
         del z
         shared = torch.div(relevance, shared, out=shared)
         grad = call.vjp(shared)[0].mul_(x)
+        if bounds is not None:
+            return (grad.sub_(call.transpose_with(shared, bounds)),)
         grad.sub_(call.transpose_with(shared, w_pos).mul_(low))
         return (grad.sub_(call.transpose_with(shared, w_neg).mul_(high)),)
+
+    def _bound_weight(self, call, x: Tensor, w_pos: Tensor, w_neg: Tensor) -> Tensor | None:
+        """``l W+ + h W-`` in ``w_pos``'s memory, where both bounds are the same at every position of a channel.
+
+        Then ``l W+ + h W-`` on an image of ones is ``l W+ + h W-`` of the
+        bound images (padded alike), and one transposed product of it serves
+        both bound terms: one forward and one transposed product fewer. With
+        ``l <= 0 <= h`` both terms are <= 0, so the sum cancels nothing. None
+        where a bound varies over positions or examples, or the weight is
+        grouped.
+        """
+        axis = 1 if call.kind == "conv" else x.dim() - 1
+        low, high = (_channel_vector(bound, x, axis) for bound in (self.low, self.high))
+        if low is None or high is None or call.scale_input_channels(w_neg, high) is None:
+            return None
+        return call.scale_input_channels(w_pos, low).add_(w_neg)
 
     def __init__(self, low: float | Tensor, high: float | Tensor, stabilizer: float = 1e-6):
         self.low, self.high, self.stabilizer = low, high, stabilizer
@@ -564,6 +586,17 @@ def _bound_image(value: float | Tensor, x: Tensor) -> Tensor:
     bound = torch.as_tensor(value, dtype=x.dtype, device=x.device)
     per_example = bound.dim() == x.dim() and bound.shape[0] != 1
     return bound.expand_as(x if per_example else x[:1])
+
+
+def _channel_vector(value: float | Tensor, x: Tensor, axis: int) -> Tensor | None:
+    """A bound as one value per channel (``axis`` of ``x``), if it is the same at every position; else None."""
+    bound = torch.as_tensor(value, dtype=x.dtype, device=x.device)
+    if bound.dim() > x.dim():
+        return None
+    shape = (1,) * (x.dim() - bound.dim()) + tuple(bound.shape)
+    if any(size != 1 for dim, size in enumerate(shape) if dim != axis):
+        return None
+    return bound.reshape(-1).expand(x.shape[axis])
 
 
 def _ones(tensor: Tensor) -> Tensor:
