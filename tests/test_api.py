@@ -164,6 +164,48 @@ def test_in_place_ops_after_an_in_place_relu_leave_the_layer_its_output(chain):
     in_place_form_matches(Chain)
 
 
+READERS = {  # what reads an in-place ReLU's output, and the composite
+    "epsilon": (lambda: nn.Identity(), relprop.rules.Epsilon(0.1)),
+    "flat": (lambda: nn.Identity(), relprop.rules.Flat()),
+    "w-square": (lambda: nn.Identity(), relprop.rules.WSquare()),
+    "max-pool, flat": (lambda: nn.MaxPool2d(2, 1), relprop.rules.Flat()),
+    "sigmoid, epsilon": (lambda: nn.Sigmoid(), relprop.rules.Epsilon(0.1)),
+    "exp, epsilon": (lambda: Exp(), relprop.rules.Epsilon(0.1)),
+}
+
+
+class Exp(nn.Module):
+    def forward(self, x):
+        return torch.exp(x)
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_an_in_place_relu_changes_no_relevance_whatever_reads_its_output(reader, monkeypatch):
+    # the convolution reads relu(z) for z after the ReLU overwrote z: that serves only if no relevance reaches the
+    # entries the ReLU set to 0, which Flat and w^2 give relevance to, and sigmoid and exp map to nonzero values
+    between, rule = READERS[reader]
+
+    def make(in_place):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=in_place), between(),
+                             nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(), nn.LazyLinear(3)).double().eval()
+
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    composite = relprop.Composite(epsilon=0.1, name_map={"3": rule})
+    out_of_place, in_place = make(False), make(True)
+    out_of_place(x), in_place(x)  # the lazy layer takes its shape
+    in_place.load_state_dict(out_of_place.state_dict())
+    recomputed = []
+    recompute = relprop.graph.ParametricCall.recompute
+    monkeypatch.setattr(relprop.graph.ParametricCall, "recompute", lambda call: recomputed.append(call) or
+                        recompute(call))
+    expected = relprop.LRP(out_of_place, composite).attribute(x, target=1)
+    assert not recomputed
+    relevance = relprop.LRP(in_place, composite).attribute(x, target=1)
+    torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
+    assert len(recomputed) == (reader != "epsilon")  # the true output only where relu(z) would not serve
+
+
 def test_repeated_calls_give_identical_results():
     model, x = residual_net(), images()
     model.fc.rule = relprop.rules.Epsilon(0.1)

@@ -83,6 +83,14 @@ class _Unhandled(rules.Gradient):
         return "none"
 
 
+def _maps_zero_to_zero(call: OpCall) -> bool:
+    """Whether ``call`` is an elementwise op that, with its constants, maps 0 to 0 (entry by entry)."""
+    if call.kind != "elementwise":
+        return False
+    (x,) = call.inputs
+    return bool((call._call(call.func, (x.new_zeros((1,) * x.dim()),)) == 0).all())
+
+
 class Session(TorchFunctionMode):
     """One attribution forward pass of ``model`` with rules from ``composite``.
 
@@ -124,6 +132,9 @@ class Session(TorchFunctionMode):
         self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: tensors tagged with what produced them ("sigmoid", "activation", "statistic", "softmax")
         self.tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: tensor -> the op calls whose output an in-place ReLU set to 0 in entries the tensor holds: they read
+        #: ``relu(z)`` for ``z`` unless a later op may give relevance to those entries (:meth:`follow_zeros`)
+        self.zeroed: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: tap output -> its record (so that a BatchNorm merged across a tap keeps it)
         self.tapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.unhandled: list[str] = []
@@ -260,7 +271,7 @@ class Session(TorchFunctionMode):
         Else a BatchNorm after ``conv -> bn -> relu_`` would be merged into the
         convolution across the ReLU.
         """
-        for table in (self.producers, self.tags):
+        for table in (self.producers, self.tags, self.zeroed):
             if result is not None and result in table:
                 table[tensor] = table[result]
             elif tensor in table:
@@ -284,17 +295,58 @@ class Session(TorchFunctionMode):
         """Run ``call`` as a relevance node with its rule (``rule``, from ``source``, or the composite's choice)."""
         if rule is None:
             rule, source = self.rule_for(call)
+        zeroed = ()  # entries an in-place ReLU set to 0 among the inputs: of interest unless they get no relevance
+        if self.zeroed and not getattr(rule, "zero_for_zero_input", False):  # (rule None: winner-take-all)
+            zeroed = self.zeroed_in(call.activations)
         if rule is None:  # winner-take-all: the gradient is the rule
-            return call._call(call.func, call.activations)
+            out = call._call(call.func, call.activations)
+            self.carry_zeros(zeroed, out)
+            return out
         call.audit = self.audit
         out = propagate(call, rule)
         if not rule.accepts(call):
             shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
             raise RuleError(f"relprop: rule {rule!r} ({source}) cannot apply to {call.describe()} (op kind "
                             f"'{call.kind}', input shapes {shapes}, output shape {tuple(call.output.shape)})")
+        if zeroed:
+            self.follow_zeros(call, rule, zeroed, out)
         call.settle()
         self.producers[out] = call
         return out
+
+    def zeroed_in(self, values: Any) -> tuple[OpCall, ...]:
+        """The op calls whose output an in-place ReLU set to 0 in entries that ``values`` (tensors, lists) hold."""
+        found = []
+        for value in values:
+            if isinstance(value, Tensor):
+                found.extend(self.zeroed.get(value, ()))
+            elif isinstance(value, (list, tuple)):
+                found.extend(self.zeroed_in(value))
+        return tuple(found)
+
+    def carry_zeros(self, zeroed: tuple[OpCall, ...], out: Any) -> None:
+        """``out`` holds entries of tensors in which those of ``zeroed`` calls' outputs were set to 0."""
+        if not zeroed:
+            return
+        for value in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(value, Tensor) and value.requires_grad:
+                self.zeroed[value] = zeroed
+
+    def follow_zeros(self, call: OpCall, rule: rules.Rule, zeroed: tuple[OpCall, ...], out: Tensor) -> None:
+        """``call`` reads entries that an in-place ReLU set to 0 in the outputs of ``zeroed`` calls.
+
+        ``call``'s rule may give relevance to inputs that are 0 (it is not
+        :attr:`~relprop.rules.Rule.zero_for_zero_input`), or pass it through an
+        op that maps 0 to something else (``sigmoid``): then the ``zeroed``
+        calls need their true output back. An elementwise op that maps 0 to 0
+        and passes relevance through leaves the question to the ops that read
+        its output.
+        """
+        if type(rule) is rules.Pass and _maps_zero_to_zero(call):
+            self.carry_zeros(zeroed, out)
+            return
+        for producer in zeroed:
+            producer.restore_output()
 
     def unknown(self, func, args: tuple, kwargs: dict) -> Any:
         """An op without a rule: its plain gradient, reported if relevance flows through it."""

@@ -119,6 +119,7 @@ class OpCall:
         self.scratch: frozenset[int] = frozenset()
         self._graph: tuple[list[Tensor], Tensor] | None = None
         self._prepared = False
+        self._restore = False
 
     @property
     def activations(self) -> tuple[Tensor, ...]:
@@ -201,8 +202,27 @@ class OpCall:
         output, self.output = self.output, None
         return output
 
+    def restore_output(self) -> None:
+        """Have the rule read the true output after all, though an in-place ReLU overwrote it (see ``ops``).
+
+        An op that reads the ReLU's output may give relevance to the entries
+        the ReLU set to 0 (its rule is not :attr:`~relprop.rules.Rule.zero_for_zero_input`),
+        so ``relu(z)`` no longer serves for ``z`` there: the output is computed
+        again from the inputs before the rule prepares (again, if it already has).
+        """
+        self._restore = True
+
+    def recompute(self) -> Tensor:
+        """The output computed again from :attr:`inputs`."""
+        inputs = (self.inputs[0].clone(), *self.inputs[1:]) if self.in_place else self.inputs
+        with torch.no_grad():
+            return self._call(self.func, inputs)
+
     def prepare(self) -> None:
         """Let the rule precompute from the output, once: in the backward pass, or before the output changes."""
+        if self._restore:
+            self._restore = self._prepared = self.output_nonnegative = False
+            self.output = self.recompute()
         if not self._prepared:
             self._prepared = True
             self.rule.prepare(self)
@@ -371,6 +391,10 @@ class ParametricCall(OpCall):
 
     def _needs_graph(self) -> bool:
         return self._transpose is None and super()._needs_graph()
+
+    def recompute(self) -> Tensor:
+        with torch.no_grad():  # a merged BatchNorm included
+            return self.evaluate(self.inputs[0], self.weight, self.bias)
 
     def release(self) -> None:
         """Keep the data input: a BatchNorm that follows builds its merged node on it."""

@@ -102,6 +102,8 @@ def _run(session, func, args, kwargs):
         tag = session.tags.get(args[0])
         if tag is not None:
             session.tags[out] = tag
+    if session.zeroed:  # entries an in-place ReLU set to 0 keep their meaning wherever they are routed
+        session.carry_zeros(session.zeroed_in((*args, *kwargs.values())), out)
     return out
 
 
@@ -120,9 +122,11 @@ def _protect_before(session, func, target: Tensor) -> None:
     """Let the op that produced ``target`` keep what it needs before ``func`` overwrites it in place.
 
     An in-place ReLU needs nothing kept: it changes only entries it sets to 0,
-    and relevance there is 0 whatever rule comes next (relevance is
-    proportional to the value), so the producer may read ``relu(z)`` for
-    ``z`` later. This saves one copy of every activation a ReLU overwrites.
+    and relevance there is 0 where the ops that read them give relevance in
+    proportion to their inputs' values, so the producer may read ``relu(z)``
+    for ``z`` later. This saves one copy of every activation a ReLU
+    overwrites. Where a later op may give relevance to those entries, the
+    producer computes ``z`` again (``Session.follow_zeros``).
     """
     if func not in _KEEPS_NONZERO:
         session.protect(target)
@@ -142,9 +146,12 @@ def _in_place_pass(session, func, args, kwargs, handler: Handler) -> Tensor | No
     call.in_place = True
     target = call.activations[0]
     call.overwrites = session.producers.get(target)
-    if call.overwrites is not None and func in _KEEPS_NONZERO and _aliases(call.overwrites.output, target):
+    zeroes = call.overwrites is not None and func in _KEEPS_NONZERO and _aliases(call.overwrites.output, target)
+    if zeroes:
         call.overwrites.output_nonnegative = True
     out = session.run(call, rule, source)
+    if zeroes:
+        session.zeroed[out] = (*session.zeroed.get(out, ()), call.overwrites)
     if (tag := getattr(handler, "tag", None)) is not None:
         session.tags[out] = tag
     else:

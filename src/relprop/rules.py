@@ -107,6 +107,10 @@ class Rule:
     needs_output: bool = False
     #: whether :meth:`prepare` reads ``call.output``
     prepares: bool = False
+    #: whether an input entry that is 0 gets relevance 0, whatever relevance arrives (``R_i = x_i * c_i``). Only
+    #: then may the op that computed the input read ``relu(z)`` for ``z`` after an in-place ReLU overwrote it
+    #: (the engine computes ``z`` again otherwise). False unless a rule says so.
+    zero_for_zero_input: bool = False
 
     def accepts(self, call) -> bool:
         """Whether this rule can propagate through ``call``."""
@@ -146,6 +150,7 @@ class Epsilon(Rule):
     kinds = LINEAR_KINDS
     needs_vjp = True
     prepares = True
+    zero_for_zero_input = True
 
     def __init__(self, epsilon: float = 1e-6, zero_bias: bool = False):
         self.epsilon = epsilon
@@ -371,6 +376,7 @@ class ZPlus(BasicRule):
     Equals :class:`AlphaBeta` with ``alpha=1, beta=0``.
     """
 
+    zero_for_zero_input = True
     needs_output = False
 
     splits_signed = True
@@ -399,6 +405,7 @@ class AlphaBeta(BasicRule):
     and ``x- w+`` with ``b-``. Requires ``alpha - beta = 1``.
     """
 
+    zero_for_zero_input = True
     needs_output = True  # the fast form reads z
 
     splits_signed = True
@@ -459,6 +466,7 @@ class Gamma(BasicRule):
     non-negative inputs this is the original gamma rule.
     """
 
+    zero_for_zero_input = True
     needs_output = True
 
     def propagate_split(self, call, relevance, split):
@@ -693,6 +701,7 @@ class UniformProduct(Rule):
     :class:`Softmax` rule, so that q and k share half and v gets half.
     """
 
+    zero_for_zero_input = True
     kinds = frozenset({"product", "attention"})
     needs_vjp = True
     prepares = True
@@ -760,6 +769,7 @@ class Softmax(Rule):
     entries (``x = -inf``) get 0, never NaN.
     """
 
+    zero_for_zero_input = True
     kinds = frozenset({"softmax"})
     needs_output = True
 
@@ -778,6 +788,7 @@ class Proportional(Rule):
     going to the winner alone (winner-take-all is the default).
     """
 
+    zero_for_zero_input = True
     kinds = frozenset({"maxpool"})
     needs_output = False
 
