@@ -284,7 +284,7 @@ def main() -> None:
             memory_base = peak_memory(*measure, "gradient", args.which, args.device) if args.memory else None
             allocated = new_tensors(*measure, args.which, args.device) if args.allocations else {}
             for key, seconds in times.items():
-                row = f"| {key} | {seconds:.3f} | {seconds / base:.2f} |"
+                row = f"| {key} | {seconds:.3f} | {ratio(seconds, base)} |"
                 if args.memory and "compile" in key:  # a fresh process would spend minutes compiling
                     row += " - | - |"
                 elif args.memory:
@@ -300,7 +300,7 @@ def main() -> None:
             print(f"\n## {name} (from config), batch {batch}, 128 tokens\n")
             print("| method | time (s) | x forward+backward |\n| --- | --- | --- |")
             for key, seconds in times.items():
-                print(f"| {key} | {seconds:.3f} | {seconds / times['gradient']:.2f} |", flush=True)
+                print(f"| {key} | {seconds:.3f} | {ratio(seconds, times['gradient'])} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import rules
 from .graph import OpCall, Workspace, is_activation, is_relevance_node, propagate, tap, watch
-from .ops import ALWAYS_HANDLED, HANDLERS, from_aten, has_activation, op_name
+from .ops import ALWAYS_HANDLED, HANDLERS, aliases, from_aten, has_activation, op_name
 
 __all__ = ["Session", "RuleError", "UnsupportedOpError", "UnhandledOpWarning"]
 
@@ -198,7 +198,7 @@ class Session(TorchFunctionMode):
     def token_embedding(self, ids: Any, vectors: Tensor) -> Tensor:
         """Embedded vectors of an integer model input become leaves that collect its tokens' relevance."""
         for index, tokens in enumerate(self._token_inputs):
-            if isinstance(ids, Tensor) and ids.numel() == tokens.numel() and torch._C._is_alias_of(ids, tokens):
+            if aliases(ids, tokens) and ids.numel() == tokens.numel():
                 leaf = vectors.detach().requires_grad_()
                 self.embeddings.setdefault(index, []).append(leaf)
                 return leaf.clone()  # not the leaf itself, so that in-place ops on the embeddings are allowed

@@ -23,7 +23,7 @@ from .graph import InPlaceSumCall, OpCall, ParametricCall, is_activation, substi
 from .recurrent import RECURRENT_HANDLERS
 from .rules import Pass, inverse_denominator
 
-__all__ = ["HANDLERS", "ALWAYS_HANDLED", "from_aten", "has_activation", "op_name"]
+__all__ = ["HANDLERS", "ALWAYS_HANDLED", "aliases", "from_aten", "has_activation", "op_name"]
 
 Handler = Callable[[Any, Callable, tuple, dict], Any]
 
@@ -146,7 +146,7 @@ def _in_place_pass(session, func, args, kwargs, handler: Handler) -> Tensor | No
     call.in_place = True
     target = call.activations[0]
     call.overwrites = session.producers.get(target)
-    zeroes = call.overwrites is not None and func in _KEEPS_NONZERO and _aliases(call.overwrites.output, target)
+    zeroes = call.overwrites is not None and func in _KEEPS_NONZERO and aliases(call.overwrites.output, target)
     if zeroes:
         call.overwrites.output_nonnegative = True
     out = session.run(call, rule, source)
@@ -173,8 +173,8 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
         if keeps_input:  # one copy serves this op's rule and the target's producer
             source = target.clone()
             session.protect(target, copy=source)
-            args = tuple(source if a is target else a.clone() if _aliases(a, target) else a for a in args)
-            kwargs = {key: a.clone() if _aliases(a, target) else a for key, a in kwargs.items()}
+            args = tuple(source if a is target else a.clone() if aliases(a, target) else a for a in args)
+            kwargs = {key: a.clone() if aliases(a, target) else a for key, a in kwargs.items()}
         else:
             _protect_before(session, func, target)
             if (out := _in_place_pass(session, func, args, kwargs, handler)) is not None:
@@ -184,7 +184,7 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
     return handle
 
 
-def _aliases(value: Any, target: Tensor) -> bool:
+def aliases(value: Any, target: Tensor) -> bool:
     """Whether ``value`` is a tensor in ``target``'s memory (``target`` itself, or a view of it)."""
     # not by their storage objects: made once, one lives as long as the memory (see graph._storage_count)
     return isinstance(value, Tensor) and torch._C._is_alias_of(value, target)
@@ -206,7 +206,7 @@ def _in_place_sum(out_of_place: Callable, sign: int) -> Handler:
         target, other = bound.get("input"), bound.get("other")
         if not (is_activation(target) and target._base is None and isinstance(other, Tensor)
                 and other.dtype == target.dtype and set(bound) <= {"input", "other", "alpha"}
-                and not _aliases(other, target)):
+                and not aliases(other, target)):
             return general(session, func, args, kwargs)
         before = target.detach().clone()
         session.protect(target, copy=before)
