@@ -128,6 +128,47 @@ def test_rule_matches_matrix_form(layer_name, rule_name, bias, sign):
         torch.testing.assert_close(attributed[example].flatten(), expected, rtol=1e-10, atol=1e-12)
 
 
+class _ShiftInPlace(nn.Module):
+    def forward(self, x):
+        return x.sub_(0.5)
+
+
+class _TorchRelu(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+@pytest.mark.parametrize("between", ["relu", "relu-in-place", "torch-relu", "relu-then-shift-in-place"])
+@pytest.mark.parametrize("rule_name", ["zplus", "alpha2beta1", "gamma"])
+def test_a_relu_output_takes_the_fast_form_without_a_sign_check(rule_name, between, monkeypatch):
+    """The input of a layer that reads a ReLU's output is known to be >= 0: no pass over it to check the sign.
+
+    An in-place op after the ReLU may make entries negative: the layer checks again.
+    """
+    make, in_shape = LAYERS["conv2d+batch_norm"]
+    layer = make(True).double().eval()
+    activation = {"relu": nn.ReLU(), "relu-in-place": nn.ReLU(inplace=True),
+                  "relu-then-shift-in-place": nn.Sequential(nn.ReLU(inplace=True), _ShiftInPlace()),
+                  "torch-relu": _TorchRelu()}[between]
+    model = nn.Sequential(activation, layer).eval()
+    checks = []
+    amin = torch.Tensor.amin
+    monkeypatch.setattr(torch.Tensor, "amin", lambda self, *a, **k: checks.append(self.shape) or amin(self, *a, **k))
+    x = torch.randn(2, *in_shape, dtype=torch.float64)
+    a = x.relu() - 0.5 if between == "relu-then-shift-in-place" else x.relu()
+    out = model(x.clone())
+    R = torch.randn_like(out)
+    checks.clear()
+    rule = RULES[rule_name]
+    attributed = relprop.LRP(model, relprop.Composite(conv=rule)).attribute(x, target=R)
+    assert len(checks) == (1 if between == "relu-then-shift-in-place" else 0)
+    W, b = matrix_form(layer, in_shape)
+    for example in range(2):
+        expected = reference(rule, a[example].flatten(), W, b, R[example].flatten())
+        if between != "relu-then-shift-in-place":  # the ReLU passes the relevance of its output on as it is
+            torch.testing.assert_close(attributed[example].flatten(), expected, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("sign", ["signed", "nonnegative"])
 @pytest.mark.parametrize("rule_name", RULES)
 def test_rule_matches_matrix_form_where_an_output_is_exactly_zero(rule_name, sign):

@@ -306,6 +306,8 @@ class ParametricCall(OpCall):
         self.evaluate = evaluate
         self.workspace = workspace
         self.is_first = False
+        #: whether the input is known to be >= 0 (a ReLU's output), so that rules need not check its sign
+        self.input_nonnegative = False
         self._weight, self._bias = weight, bias
         self._channel_dim = channel_dim  # weight dimension that indexes output channels
         self._transpose = transpose

@@ -292,8 +292,18 @@ def _parametric(kind: str, names: tuple[str, ...]) -> Handler:
                               op_name(func), session.module_name, weight, bias, evaluate, channel_dim, transpose,
                               session.workspace)
         call.is_first = session.fed_by_input(x)
+        call.input_nonnegative = _relu_output(session, x)
         return session.run(call)
     return handle
+
+
+def _relu_output(session, x: Tensor) -> bool:
+    """Whether ``x`` is the output of a ReLU, as it left it: every entry ``>= 0``.
+
+    An op that later overwrites ``x`` in place takes its place as the producer (``Session.overwritten``).
+    """
+    producer = session.producers.get(x)
+    return producer is not None and producer.func in _RELU
 
 
 def _addmm(session, func, args, kwargs):
@@ -705,6 +715,8 @@ for _func, _handler in RECURRENT_HANDLERS.items():
     HANDLERS[_func] = _handler
 #: in-place ops that leave every nonzero entry as it was (see ``_protect_before``)
 _KEEPS_NONZERO = frozenset(_lookup(F, "relu relu_") + _lookup(torch, "relu_") + _lookup(_T, "relu_"))
+#: ReLUs, in place or not: their outputs are >= 0
+_RELU = _KEEPS_NONZERO | frozenset(_lookup(torch, "relu") + _lookup(_T, "relu"))
 #: handlers that run even without an activation among the arguments (a lookup of integer token ids)
 ALWAYS_HANDLED = frozenset({_embedding})
 

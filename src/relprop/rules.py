@@ -341,7 +341,7 @@ def _split_input(call, zero_bias: bool, signed: bool) -> _Split | None:
     if zero_bias or call.kind not in PARAMETRIC_KINDS or not getattr(call, "transposable", False):
         return None
     (x,) = call.inputs
-    nonnegative = not bool(x.amin() < 0)  # one reduction pass, no mask tensor
+    nonnegative = call.input_nonnegative or not bool(x.amin() < 0)  # else one reduction pass, no mask tensor
     if not (nonnegative or signed):
         return None
     w_pos, w_neg = call.weight_parts(negative=not nonnegative)
