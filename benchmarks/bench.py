@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
+import ctypes.util
 import json
 import os
 import platform
@@ -46,10 +48,24 @@ def setup(name: str, batch: int, size: int, device: str) -> tuple[torch.nn.Modul
     return model, x, torch.randint(0, 1000, (batch,)).tolist()
 
 
-def timed(device: str, run: Callable, *args) -> float:
-    """Seconds one call ``run(*args)`` takes, its GPU work included."""
+def trim_heap() -> None:
+    """Hand the free memory of the C heap back to the operating system (glibc's ``malloc_trim``).
+
+    Every timed run then starts from the same allocator state, whatever the
+    method before it left behind, and faults in the fresh memory it needs.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "malloc_trim"):
+        raise SystemExit("bench.py: --trim needs glibc's malloc_trim, which this C library lacks")
+    libc.malloc_trim(0)
+
+
+def timed(device: str, run: Callable, *args, trim: bool = False) -> float:
+    """Seconds one call ``run(*args)`` takes, its GPU work included; ``trim``: :func:`trim_heap` first."""
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
     synchronize()
+    if trim:
+        trim_heap()
     start = time.perf_counter()
     run(*args)
     synchronize()
@@ -120,7 +136,8 @@ def methods(model, name: str, which: list[str]) -> dict[str, Callable]:
     return table
 
 
-def time_all(name: str, batch: int, size: int, rounds: int, which: list[str], device: str) -> dict[str, float]:
+def time_all(name: str, batch: int, size: int, rounds: int, which: list[str], device: str,
+             trim: bool = False) -> dict[str, float]:
     model, x, target = setup(name, batch, size, device)
     table = methods(model, name, which)
     for run in table.values():  # warm-up
@@ -128,7 +145,7 @@ def time_all(name: str, batch: int, size: int, rounds: int, which: list[str], de
     times = {key: [] for key in table}
     for _ in range(rounds):
         for key, run in table.items():
-            times[key].append(timed(device, run, model, x, target))
+            times[key].append(timed(device, run, model, x, target, trim=trim))
     return {key: statistics.median(values) for key, values in times.items()}
 
 
@@ -144,7 +161,8 @@ def build_transformer(name: str):
     return transformers.BertForSequenceClassification(transformers.BertConfig()).eval(), 1
 
 
-def time_transformer(name: str, batch: int, length: int, rounds: int, device: str) -> dict[str, float]:
+def time_transformer(name: str, batch: int, length: int, rounds: int, device: str,
+                     trim: bool = False) -> dict[str, float]:
     """Plain forward + backward to the input embeddings against AttnLRP / CP-LRP to the tokens."""
     model, target = build_transformer(name)
     model = model.to(device)
@@ -164,7 +182,7 @@ def time_transformer(name: str, batch: int, length: int, rounds: int, device: st
     times = {key: [] for key in table}
     for _ in range(rounds):
         for key, run in table.items():
-            times[key].append(timed(device, run))
+            times[key].append(timed(device, run, trim=trim))
     return {key: statistics.median(values) for key, values in times.items()}
 
 
@@ -257,6 +275,9 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (one subprocess each)")
     parser.add_argument("--allocations", action="store_true",
                         help="also add up the new tensors of 1 MiB or more of one run")
+    parser.add_argument("--trim", action="store_true",
+                        help="before each timed run, hand the C heap's free memory back to the system (glibc), so "
+                             "that every method starts from the same allocator state")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -270,10 +291,11 @@ def main() -> None:
           f"{torch.__version__}, torchvision {torchvision.__version__}, float32, {args.size}x{args.size}, "
           f"median of {args.rounds} rounds, huge pages for large tensors (THP_MEM_ALLOC_ENABLE): "
           f"{'on' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else 'off'}, glibc malloc settings: "
-          f"{' '.join(f'{k}={v}' for k, v in sorted(os.environ.items()) if k.startswith('MALLOC_')) or 'none'}")
+          f"{' '.join(f'{k}={v}' for k, v in sorted(os.environ.items()) if k.startswith('MALLOC_')) or 'none'}"
+          f"{', heap trimmed before each timed run' if args.trim else ''}")
     for name in args.models:
         for batch in args.batches:
-            times = time_all(name, batch, args.size, args.rounds, args.which, args.device)
+            times = time_all(name, batch, args.size, args.rounds, args.which, args.device, args.trim)
             base = times["gradient"]
             print(f"\n## {name}, batch {batch}\n")
             header = "| method | time (s) | x gradient |" + (" peak MiB | x gradient |" if args.memory else "") \
@@ -296,7 +318,7 @@ def main() -> None:
                 print(row, flush=True)
     for name in args.transformers:
         for batch in args.transformer_batches:
-            times = time_transformer(name, batch, 128, args.rounds, args.device)
+            times = time_transformer(name, batch, 128, args.rounds, args.device, args.trim)
             print(f"\n## {name} (from config), batch {batch}, 128 tokens\n")
             print("| method | time (s) | x forward+backward |\n| --- | --- | --- |")
             for key, seconds in times.items():

@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -25,11 +26,13 @@ def test_new_tensors_counts_large_results_and_not_what_an_op_writes_into():
     assert torch._C._storage_Use_Count(torch._C._storage_address(new)) == 1
 
 
-def test_a_small_run_prints_every_method_with_its_ratios():
+@pytest.mark.parametrize("options", [[], ["--trim"]], ids=["warm-heap", "trimmed-heap"])
+def test_a_small_run_prints_every_method_with_its_ratios(options):
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench.py"), "--models", "resnet18", "--batches", "1", "--size", "32",
-         "--rounds", "1", "--transformers", "--with", "--allocations", "--device", "cpu"],
+         "--rounds", "1", "--transformers", "--with", "--allocations", "--device", "cpu", *options],
         capture_output=True, text=True, check=True).stdout
+    assert ("heap trimmed before each timed run" in out.splitlines()[0]) == bool(options)
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines() if line.startswith("| ")}
     methods = ["gradient"] + [f"relprop {preset}" for preset in bench.PRESETS]
     assert set(methods) <= set(rows)
