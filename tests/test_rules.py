@@ -107,7 +107,7 @@ RULES = {
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("layer_name", LAYERS)
 @pytest.mark.parametrize("rule_name", RULES)
-def test_rule_matches_matrix_form(layer_name, rule_name, bias, sign):
+def test_rule_matches_matrix_form(layer_name, rule_name, bias, sign, monkeypatch):
     make, in_shape = LAYERS[layer_name]
     layer = make(bias).double().eval()
     if bias:
@@ -121,7 +121,19 @@ def test_rule_matches_matrix_form(layer_name, rule_name, bias, sign):
         x[1] = 0.0
     out = layer(x)
     R = torch.randn_like(out)
+    # z+ and alpha-beta on a signed input stack x+ and x- side by side, and W+ and W- to match: one product each
+    # way instead of two; a grouped convolution's weight does not allow that
+    stacked, stack_signs = [], relprop.graph.ParametricCall.stack_signs
+
+    def recorded(call, inputs):
+        found = stack_signs(call, inputs)
+        stacked.append(found is not None)
+        return found
+
+    monkeypatch.setattr(relprop.graph.ParametricCall, "stack_signs", recorded)
     attributed = relprop.LRP(layer, relprop.Composite(conv=rule, dense=rule)).attribute(x, target=R)
+    signed_split = isinstance(rule, (rules.ZPlus, rules.AlphaBeta)) and sign == "signed"
+    assert stacked == ([layer_name != "grouped-conv2d"] if signed_split else [])
     W, b = matrix_form(layer, in_shape)
     for example in range(2):
         expected = reference(rule, x[example].flatten(), W, b, R[example].flatten())

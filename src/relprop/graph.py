@@ -280,14 +280,18 @@ class Workspace:
     def __init__(self):
         self._buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
-    def like(self, tensor: Tensor) -> Tensor:
-        """An uninitialised tensor shaped like ``tensor``, valid until the next call for the same device and dtype."""
+    def like(self, tensor: Tensor, shape: list[int] | torch.Size | None = None) -> Tensor:
+        """An uninitialised tensor shaped like ``tensor`` (or ``shape``), with its device and dtype.
+
+        It is valid until the next call for the same device and dtype.
+        """
+        shape = tensor.shape if shape is None else torch.Size(shape)
         key = (tensor.device, tensor.dtype)
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < tensor.numel():
+        if buffer is None or buffer.numel() < shape.numel():
             # a view of the old buffer still alive keeps its memory: replacing never overwrites it
-            buffer = self._buffers[key] = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        return buffer[:tensor.numel()].view(tensor.shape)
+            buffer = self._buffers[key] = torch.empty(shape.numel(), dtype=tensor.dtype, device=tensor.device)
+        return buffer[:shape.numel()].view(shape)
 
 
 class ParametricCall(OpCall):
@@ -296,7 +300,9 @@ class ParametricCall(OpCall):
     ``weight`` and ``bias`` are constants here; a BatchNorm that directly
     follows the op is merged into them by :meth:`merge_batch_norm`. With
     ``transpose`` (the op's VJP with respect to ``x``, e.g. a transposed
-    convolution) no autograd graph is kept for epsilon-type rules.
+    convolution) no autograd graph is kept for epsilon-type rules; it is
+    called as ``transpose(grad, weight, like)``, where ``like`` is an input of
+    the shape the op with ``weight`` takes (see :meth:`stack_signs`).
     """
 
     def __init__(self, kind, func, args, kwargs, name, module_name, weight: Tensor, bias: Tensor | None,
@@ -372,14 +378,61 @@ class ParametricCall(OpCall):
         None, and ``weight`` left as it is, where the weight does not index
         the input channels one by one (grouped convolutions).
         """
-        if self._channel_dim is None:
-            return None
-        dim = 1 - self._channel_dim  # the weight's other leading dimension
-        if weight.shape[dim] != scale.numel():
+        dim = self._input_channel_dim(scale.numel())
+        if dim is None:
             return None
         shape = [1] * weight.dim()
         shape[dim] = -1
         return weight.mul_(scale.reshape(shape))
+
+    def _input_channel_dim(self, channels: int) -> int | None:
+        """The weight dimension that indexes the input's ``channels`` channels one by one; None where none does.
+
+        None for grouped convolutions, whose weight indexes the channels of one group.
+        """
+        if self._channel_dim is None:
+            return None
+        dim = 1 - self._channel_dim  # the weight's other leading dimension
+        return dim if self._weight.shape[dim] == channels else None
+
+    def stack_signs(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        """``x+`` and ``x-`` side by side along the input channels, and ``W+`` and ``W-`` of :attr:`weight` to match.
+
+        The op with both (:attr:`evaluate`) is ``W+ x+ + W- x-``, and one
+        transposed product with the stacked weight (:meth:`transpose_with`, the
+        stacked input as ``like``) gives ``W+^T s`` and ``W-^T s`` side by
+        side: one product each way instead of two. On a first layer of three
+        colour channels that halves the cost of both, since the kernels
+        handle six channels about as fast as three. The stacked weight is
+        written into the :class:`Workspace`. None where the weight does not
+        index the input channels one by one (grouped convolutions).
+        """
+        axis = self.input_channel_axis(x)
+        channels = x.shape[axis]
+        dim = self._input_channel_dim(channels)
+        if dim is None:
+            return None
+        shape = list(self._weight.shape)
+        shape[dim] *= 2
+        weights = self.workspace.like(self._weight, shape)
+        w_pos, w_neg = weights.chunk(2, dim)
+        if self._batch_norm is None or self._merged_weight is not None:
+            torch.clamp(self.weight, min=0, out=w_pos)
+            torch.clamp(self.weight, max=0, out=w_neg)
+        else:  # the merged weight made in place, not kept
+            torch.clamp(self._merge_weight(w_pos), max=0, out=w_neg)
+            w_pos.clamp_(min=0)
+        shape = list(x.shape)
+        shape[axis] *= 2
+        inputs = x.new_empty(shape)
+        x_pos, x_neg = inputs.chunk(2, axis)
+        torch.clamp(x, min=0, out=x_pos)
+        torch.clamp(x, max=0, out=x_neg)
+        return inputs, weights
+
+    def input_channel_axis(self, x: Tensor) -> int:
+        """The axis of ``x`` (an input of the op) that holds its channels: 1 for convolutions, the last for dense ops."""
+        return 1 if self.kind == "conv" else x.dim() - 1
 
     def _output_shape(self, vector: Tensor) -> Tensor:
         """A per-channel vector shaped to broadcast against the output."""
@@ -427,9 +480,13 @@ class ParametricCall(OpCall):
         """Whether :meth:`transpose_with` is available (no string padding, no private graph needed)."""
         return self._transpose is not None
 
-    def transpose_with(self, grad: Tensor, weight: Tensor) -> Tensor:
-        """The VJP with respect to the input of the op with another ``weight``: one transposed product."""
-        return self._transpose(grad, weight)
+    def transpose_with(self, grad: Tensor, weight: Tensor, like: Tensor | None = None) -> Tensor:
+        """The VJP with respect to the input of the op with another ``weight``: one transposed product.
+
+        ``like``: an input of the shape the op with ``weight`` takes, where that is not the shape of :attr:`inputs`
+        (a stacked weight, see :meth:`stack_signs`).
+        """
+        return self._transpose(grad, weight) if like is None else self._transpose(grad, weight, like)
 
     def merge_batch_norm(self, batch_norm: Callable[[Tensor], Tensor], scale: Tensor, shift: Tensor,
                          output: Tensor) -> "ParametricCall":

@@ -257,8 +257,9 @@ def _conv_vjp(x: Tensor, weight: Tensor, options: dict, transposed: bool) -> Cal
     output_padding = expand(options.get("output_padding", 0)) if transposed else [0] * dims
     groups = options.get("groups", 1)
 
-    def transpose(grad: Tensor, weight: Tensor = weight) -> Tensor:
-        return torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, transposed,
+    def transpose(grad: Tensor, weight: Tensor = weight, like: Tensor = x) -> Tensor:
+        # the kernel reads only the shape of the input `like`
+        return torch.ops.aten.convolution_backward(grad, like, weight, None, stride, padding, dilation, transposed,
                                                    output_padding, groups, [True, False, False])[0]
     return transpose
 
@@ -281,7 +282,7 @@ def _parametric(kind: str, names: tuple[str, ...]) -> Handler:
             return func(inp, w, b, **options)
 
         if kind == "dense":
-            transpose, channel_dim = (lambda grad, w=weight: grad @ w), 0
+            transpose, channel_dim = (lambda grad, w=weight, like=None: grad @ w), 0  # the shape follows from w
         else:
             transpose = _conv_vjp(x.detach(), weight, options, transposed)
             # a merged BatchNorm scales the weight's output-channel dimension: 1 for transposed
@@ -320,7 +321,8 @@ def _addmm(session, func, args, kwargs):
 
     constants = (weight.detach(), bias.detach() if bias is not None else None)
     call = ParametricCall("dense", func, (bias, x, weight), {}, op_name(func), session.module_name,
-                          *constants, evaluate, 1, lambda grad, w=constants[0]: grad @ w.T, session.workspace)
+                          *constants, evaluate, 1, lambda grad, w=constants[0], like=None: grad @ w.T,
+                          session.workspace)
     call.is_first = session.fed_by_input(x)
     return session.run(call)
 

@@ -315,20 +315,25 @@ class _Split:
 
     ``positive`` is ``P = W+ x+ + W- x- + b+``, the sum of all positive
     contributions, so that ``z - P`` is the sum of all negative ones: one
-    modified forward (two on signed inputs) instead of one per term, and
-    transposed products only. On a non-negative input (after a ReLU) ``x_neg``
-    and ``w_neg`` are None and ``P = W+ x + b+``; a rule that needs ``W-``
-    there writes it over ``w_pos`` once done with that
-    (:meth:`ParametricCall.negative_weight`). ``z`` is the op's output; where
-    an in-place ReLU has since zeroed it, the relevance arriving there is 0, so
-    every use stays exact.
+    modified forward instead of one per term, and transposed products only.
+    On a non-negative input (after a ReLU) ``x_neg`` and ``w_neg`` are None
+    and ``P = W+ x + b+``; a rule that needs ``W-`` there writes it over
+    ``w_pos`` once done with that (:meth:`ParametricCall.negative_weight`). On
+    a signed input ``stacked`` holds ``x+`` and ``x-`` side by side and the
+    weights to match (:meth:`ParametricCall.stack_signs`), so that one
+    transposed product gives ``W+^T s`` and ``W-^T s`` (``w_pos`` and ``w_neg``
+    are None then); where the weight does not allow that (grouped
+    convolutions) ``stacked`` is None and each takes its own product.
+    ``z`` is the op's output; where an in-place ReLU has since zeroed it, the
+    relevance arriving there is 0, so every use stays exact.
     """
 
     x_pos: Tensor
     x_neg: Tensor | None
     positive: Tensor | None
-    w_pos: Tensor
+    w_pos: Tensor | None
     w_neg: Tensor | None
+    stacked: tuple[Tensor, Tensor] | None = None
 
     def take_positive(self) -> Tensor:
         """``positive``, handed over: the rule writes into it, and it is freed as soon as the rule lets go."""
@@ -344,10 +349,16 @@ def _split_input(call, zero_bias: bool, signed: bool) -> _Split | None:
     nonnegative = call.input_nonnegative or not bool(x.amin() < 0)  # else one reduction pass, no mask tensor
     if not (nonnegative or signed):
         return None
-    w_pos, w_neg = call.weight_parts(negative=not nonnegative)
     b_pos = call.bias.clamp(min=0) if call.bias is not None else None
     if nonnegative:
-        return _Split(x, None, call.evaluate(x, w_pos, b_pos), w_pos, w_neg)
+        w_pos, _ = call.weight_parts(negative=False)
+        return _Split(x, None, call.evaluate(x, w_pos, b_pos), w_pos, None)
+    stacked = call.stack_signs(x)
+    if stacked is not None:
+        inputs, weights = stacked
+        return _Split(*inputs.chunk(2, call.input_channel_axis(x)), call.evaluate(inputs, weights, b_pos), None, None,
+                      stacked=stacked)
+    w_pos, w_neg = call.weight_parts(negative=True)
     x_pos, x_neg = x.clamp(min=0), x.clamp(max=0)
     positive = call.evaluate(x_pos, w_pos, b_pos).add_(call.evaluate(x_neg, w_neg, None))
     return _Split(x_pos, x_neg, positive, w_pos, w_neg)
@@ -384,6 +395,10 @@ class ZPlus(BasicRule):
     def propagate_split(self, call, relevance, split):
         shared = _nonnegative_denominator(split.take_positive(), self.stabilizer)  # P >= 0
         shared = torch.div(relevance, shared, out=shared)
+        if split.stacked is not None:  # x+ W+^T s and x- W-^T s side by side: the relevance is their sum
+            inputs, weights = split.stacked
+            both = call.transpose_with(shared, weights, like=inputs).mul_(inputs)
+            return torch.add(*both.chunk(2, call.input_channel_axis(both)))
         grad = call.transpose_with(shared, split.w_pos).mul_(split.x_pos)
         if split.x_neg is None:
             return grad
@@ -428,6 +443,21 @@ class AlphaBeta(BasicRule):
             w_neg = call.negative_weight(out=split.w_pos)
             return call.transpose_with(negative, w_neg).mul_(-self.beta).add_(on_pos, alpha=self.alpha) \
                 .mul_(split.x_pos)
+        if split.stacked is not None:  # one transposed product per quotient gives both of its halves
+            inputs, weights = split.stacked
+            axis = call.input_channel_axis(inputs)
+            on_negative = call.transpose_with(negative, weights, like=inputs)  # W+^T n | W-^T n
+            del negative
+            positive = _nonnegative_denominator(split.take_positive(), self.stabilizer)
+            positive = torch.div(relevance, positive, out=positive)
+            both = call.transpose_with(positive, weights, like=inputs)  # W+^T p | W-^T p
+            del positive
+            (n_pos, n_neg), (p_pos, p_neg) = on_negative.chunk(2, axis), both.chunk(2, axis)
+            p_pos.mul_(self.alpha).sub_(n_neg, alpha=self.beta)  # x+: alpha W+^T p - beta W-^T n
+            p_neg.mul_(self.alpha).sub_(n_pos, alpha=self.beta)  # x-: alpha W-^T p - beta W+^T n
+            del on_negative, n_pos, n_neg
+            both.mul_(inputs)
+            return torch.add(p_pos, p_neg)
         on_pos = call.transpose_with(negative, split.w_neg).mul_(-self.beta)
         on_neg = call.transpose_with(negative, split.w_pos).mul_(-self.beta)
         del negative
