@@ -430,6 +430,23 @@ class ParametricCall(OpCall):
         torch.clamp(x, max=0, out=x_neg)
         return inputs, weights
 
+    def transpose_beside(self, grad: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """``W^T grad`` (``W``: :attr:`weight`) and ``weight^T grad``, from one transposed product.
+
+        ``W`` and ``weight`` side by side along the input channels make one
+        product: on a first layer of three colour channels about the cost of
+        one of them. Only where the weight indexes the input channels one by
+        one (:meth:`scale_input_channels` is not None).
+        """
+        x = self.inputs[0]
+        axis = self.input_channel_axis(x)
+        stacked = torch.cat([self.weight, weight], self._input_channel_dim(x.shape[axis]))
+        shape = list(x.shape)
+        shape[axis] *= 2
+        # the kernel reads the shape of `like` alone: memory never written is never faulted in
+        both = self.transpose_with(grad, stacked, like=x.new_empty(shape))
+        return both.chunk(2, axis)
+
     def input_channel_axis(self, x: Tensor) -> int:
         """The axis of ``x`` (an input of the op) that holds its channels: 1 for convolutions, the last for dense ops."""
         return 1 if self.kind == "conv" else x.dim() - 1

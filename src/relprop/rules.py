@@ -577,9 +577,10 @@ class ZBox(BasicRule):
         shared = denominator(z, self.stabilizer)
         del z
         shared = torch.div(relevance, shared, out=shared)
-        grad = call.vjp(shared)[0].mul_(x)
         if bounds is not None:
-            return (grad.sub_(call.transpose_with(shared, bounds)),)
+            on_x, on_bounds = call.transpose_beside(shared, bounds)
+            return (torch.sub(on_x.mul_(x), on_bounds),)
+        grad = call.vjp(shared)[0].mul_(x)
         grad.sub_(call.transpose_with(shared, w_pos).mul_(low))
         return (grad.sub_(call.transpose_with(shared, w_neg).mul_(high)),)
 
@@ -588,7 +589,8 @@ class ZBox(BasicRule):
 
         Then ``l W+ + h W-`` on an image of ones is ``l W+ + h W-`` of the
         bound images (padded alike), and one transposed product of it serves
-        both bound terms: one forward and one transposed product fewer. With
+        both bound terms: one forward and one transposed product fewer; that
+        product and ``W``'s are one product too (:meth:`ParametricCall.transpose_beside`). With
         ``l <= 0 <= h`` both terms are <= 0, so the sum cancels nothing. None
         where a bound varies over positions or examples, or the weight is
         grouped.
