@@ -18,6 +18,7 @@ import argparse
 import copy
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import platform
@@ -48,8 +49,9 @@ def setup(name: str, batch: int, size: int, device: str) -> tuple[torch.nn.Modul
     return model, x, torch.randint(0, 1000, (batch,)).tolist()
 
 
-def trim_heap() -> None:
-    """Hand the free memory of the C heap back to the operating system (glibc's ``malloc_trim``).
+@functools.cache
+def trim_heap() -> Callable[[], None]:
+    """A function that hands the free memory of the C heap back to the operating system (glibc's ``malloc_trim``).
 
     Every timed run then starts from the same allocator state, whatever the
     method before it left behind, and faults in the fresh memory it needs.
@@ -57,7 +59,7 @@ def trim_heap() -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     if not hasattr(libc, "malloc_trim"):
         raise SystemExit("bench.py: --trim needs glibc's malloc_trim, which this C library lacks")
-    libc.malloc_trim(0)
+    return lambda: libc.malloc_trim(0)
 
 
 def timed(device: str, run: Callable, *args, trim: bool = False) -> float:
@@ -65,7 +67,7 @@ def timed(device: str, run: Callable, *args, trim: bool = False) -> float:
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
     synchronize()
     if trim:
-        trim_heap()
+        trim_heap()()
     start = time.perf_counter()
     run(*args)
     synchronize()
@@ -280,6 +282,8 @@ def main() -> None:
                              "that every method starts from the same allocator state")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.trim:
+        trim_heap()  # before minutes of warm-up: a C library without malloc_trim stops the run here
     if args.memory_child:
         name, batch, size, key = args.memory_child
         peak_memory_child(name, int(batch), int(size), key, args.which, args.device)

@@ -302,7 +302,8 @@ class ParametricCall(OpCall):
     ``transpose`` (the op's VJP with respect to ``x``, e.g. a transposed
     convolution) no autograd graph is kept for epsilon-type rules; it is
     called as ``transpose(grad, weight, like)``, where ``like`` is an input of
-    the shape the op with ``weight`` takes (see :meth:`stack_signs`).
+    the shape the op with ``weight`` takes, None for the op's own input (see
+    :meth:`stack_signs`).
     """
 
     def __init__(self, kind, func, args, kwargs, name, module_name, weight: Tensor, bias: Tensor | None,
@@ -350,19 +351,26 @@ class ParametricCall(OpCall):
         not kept.
         """
         w_pos = self.workspace.like(self._weight)
-        if self._batch_norm is None or self._merged_weight is not None:
-            weight = self.weight
-            return torch.clamp(weight, min=0, out=w_pos), weight.clamp(max=0) if negative else None
-        if not negative:
-            return self._merge_weight(w_pos).clamp_(min=0), None
-        merged = self._merge_weight()
-        return torch.clamp(merged, min=0, out=w_pos), merged.clamp_(max=0)
+        w_neg = torch.empty_like(self._weight) if negative else None
+        self._write_signs(w_pos, w_neg)
+        return w_pos, w_neg
 
     def negative_weight(self, out: Tensor) -> Tensor:
         """``W-`` of :attr:`weight`, written into ``out``: a weight-sized tensor the caller is done with (its ``W+``)."""
+        return torch.clamp(self._weight_in(out), max=0, out=out)
+
+    def _write_signs(self, w_pos: Tensor, w_neg: Tensor | None) -> None:
+        """``W+`` of :attr:`weight` written into ``w_pos`` and, unless None, ``W-`` into ``w_neg``."""
+        weight = self._weight_in(w_pos)
+        if w_neg is not None:
+            torch.clamp(weight, max=0, out=w_neg)
+        torch.clamp(weight, min=0, out=w_pos)  # last: `weight` may be `w_pos` itself
+
+    def _weight_in(self, out: Tensor) -> Tensor:
+        """:attr:`weight`; where that is a merged weight not kept, made in ``out`` (weight-shaped) for the caller."""
         if self._batch_norm is None or self._merged_weight is not None:
-            return torch.clamp(self.weight, max=0, out=out)
-        return self._merge_weight(out).clamp_(max=0)
+            return self.weight
+        return self._merge_weight(out)
 
     def _merge_weight(self, out: Tensor | None = None) -> Tensor:
         """The weight with the merged BatchNorm's scale on its output channels, in ``out`` or a new tensor."""
@@ -407,24 +415,14 @@ class ParametricCall(OpCall):
         written into the :class:`Workspace`. None where the weight does not
         index the input channels one by one (grouped convolutions).
         """
-        axis = self.input_channel_axis(x)
-        channels = x.shape[axis]
-        dim = self._input_channel_dim(channels)
+        dim = self._input_channel_dim(x.shape[self.input_channel_axis(x)])
         if dim is None:
             return None
         shape = list(self._weight.shape)
         shape[dim] *= 2
         weights = self.workspace.like(self._weight, shape)
-        w_pos, w_neg = weights.chunk(2, dim)
-        if self._batch_norm is None or self._merged_weight is not None:
-            torch.clamp(self.weight, min=0, out=w_pos)
-            torch.clamp(self.weight, max=0, out=w_neg)
-        else:  # the merged weight made in place, not kept
-            torch.clamp(self._merge_weight(w_pos), max=0, out=w_neg)
-            w_pos.clamp_(min=0)
-        shape = list(x.shape)
-        shape[axis] *= 2
-        inputs = x.new_empty(shape)
+        self._write_signs(*weights.chunk(2, dim))
+        axis, inputs = self._stacked_input(x)
         x_pos, x_neg = inputs.chunk(2, axis)
         torch.clamp(x, min=0, out=x_pos)
         torch.clamp(x, max=0, out=x_neg)
@@ -439,13 +437,17 @@ class ParametricCall(OpCall):
         one (:meth:`scale_input_channels` is not None).
         """
         x = self.inputs[0]
-        axis = self.input_channel_axis(x)
+        axis, like = self._stacked_input(x)
         stacked = torch.cat([self.weight, weight], self._input_channel_dim(x.shape[axis]))
+        # the kernel reads the shape of `like` alone: memory never written is never faulted in
+        return self.transpose_with(grad, stacked, like=like).chunk(2, axis)
+
+    def _stacked_input(self, x: Tensor) -> tuple[int, Tensor]:
+        """The axis of ``x``'s channels, and an uninitialised input like ``x`` with twice as many channels."""
+        axis = self.input_channel_axis(x)
         shape = list(x.shape)
         shape[axis] *= 2
-        # the kernel reads the shape of `like` alone: memory never written is never faulted in
-        both = self.transpose_with(grad, stacked, like=x.new_empty(shape))
-        return both.chunk(2, axis)
+        return axis, x.new_empty(shape)
 
     def input_channel_axis(self, x: Tensor) -> int:
         """The axis of ``x`` (an input of the op) that holds its channels: 1 for convolutions, the last for dense ops."""
@@ -503,7 +505,7 @@ class ParametricCall(OpCall):
         ``like``: an input of the shape the op with ``weight`` takes, where that is not the shape of :attr:`inputs`
         (a stacked weight, see :meth:`stack_signs`).
         """
-        return self._transpose(grad, weight) if like is None else self._transpose(grad, weight, like)
+        return self._transpose(grad, weight, like)
 
     def merge_batch_norm(self, batch_norm: Callable[[Tensor], Tensor], scale: Tensor, shift: Tensor,
                          output: Tensor) -> "ParametricCall":

@@ -257,10 +257,11 @@ def _conv_vjp(x: Tensor, weight: Tensor, options: dict, transposed: bool) -> Cal
     output_padding = expand(options.get("output_padding", 0)) if transposed else [0] * dims
     groups = options.get("groups", 1)
 
-    def transpose(grad: Tensor, weight: Tensor = weight, like: Tensor = x) -> Tensor:
+    def transpose(grad: Tensor, weight: Tensor = weight, like: Tensor | None = None) -> Tensor:
         # the kernel reads only the shape of the input `like`
-        return torch.ops.aten.convolution_backward(grad, like, weight, None, stride, padding, dilation, transposed,
-                                                   output_padding, groups, [True, False, False])[0]
+        return torch.ops.aten.convolution_backward(grad, x if like is None else like, weight, None, stride, padding,
+                                                   dilation, transposed, output_padding, groups,
+                                                   [True, False, False])[0]
     return transpose
 
 
