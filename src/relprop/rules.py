@@ -74,13 +74,18 @@ def inverse_denominator(z: Tensor, epsilon: float, in_place: bool = False) -> Te
     """``1 / denominator(z, epsilon)``, in as few passes over memory as possible.
 
     ``in_place``: ``z >= 0`` (an in-place ReLU's output) is the caller's to
-    overwrite, and the result is written into it.
+    overwrite, and the result is written into it. With ``epsilon == 0`` the
+    inverse is 0 where ``1 / z`` is infinite: at ``z = 0``, and at subnormal
+    ``z`` (``1 / z`` overflows there; ``denominator`` keeps them).
     """
     epsilon = _stabilizer(epsilon, z.dtype)
-    if in_place and epsilon:
-        return z.add_(epsilon).reciprocal_()
     if epsilon == 0:
-        return torch.where(z == 0, 0.0, z.reciprocal())
+        # one pass in place instead of `where(z == 0, 0, 1 / z)`: 6x faster on a transformer's small tensors,
+        # where LRP-0 (AttnLRP) takes an inverse per linear layer
+        inverse = z.reciprocal_() if in_place else z.reciprocal()
+        return inverse.nan_to_num_(nan=math.nan, posinf=0.0, neginf=0.0)
+    if in_place:
+        return z.add_(epsilon).reciprocal_()
     # copysign(eps, 0.0) = +eps; the rare -0.0 gets -eps, the same magnitude. One new tensor, written in place:
     # on large tensors every fresh allocation costs page faults
     return torch.copysign(torch.tensor(epsilon, dtype=z.dtype, device=z.device), z).add_(z).reciprocal_()
@@ -743,7 +748,7 @@ class UniformProduct(Rule):
 
     def prepare(self, call) -> None:
         if call.kind == "product":
-            call.inverse = inverse_denominator(call.output, self.epsilon) / len(call.inputs)
+            call.inverse = inverse_denominator(call.output, self.epsilon).div_(len(call.inputs))
 
     def propagate(self, call, relevance):
         if call.kind == "attention":
