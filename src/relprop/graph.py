@@ -450,7 +450,7 @@ class ParametricCall(OpCall):
         return axis, x.new_empty(shape)
 
     def input_channel_axis(self, x: Tensor) -> int:
-        """The axis of ``x`` (an input of the op) that holds its channels: 1 for convolutions, the last for dense ops."""
+        """The axis of ``x`` (an input of the op) holding its channels: 1 for convolutions, the last for dense ops."""
         return 1 if self.kind == "conv" else x.dim() - 1
 
     def _output_shape(self, vector: Tensor) -> Tensor:

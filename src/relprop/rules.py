@@ -595,12 +595,12 @@ class ZBox(BasicRule):
         Then ``l W+ + h W-`` on an image of ones is ``l W+ + h W-`` of the
         bound images (padded alike), and one transposed product of it serves
         both bound terms: one forward and one transposed product fewer; that
-        product and ``W``'s are one product too (:meth:`ParametricCall.transpose_beside`). With
-        ``l <= 0 <= h`` both terms are <= 0, so the sum cancels nothing. None
-        where a bound varies over positions or examples, or the weight is
-        grouped.
+        product and ``W``'s are one product too
+        (:meth:`ParametricCall.transpose_beside`). With ``l <= 0 <= h`` both
+        terms are <= 0, so the sum cancels nothing. None where a bound varies
+        over positions or examples, or the weight is grouped.
         """
-        axis = 1 if call.kind == "conv" else x.dim() - 1
+        axis = call.input_channel_axis(x)
         low, high = (_channel_vector(bound, x, axis) for bound in (self.low, self.high))
         if low is None or high is None or call.scale_input_channels(w_neg, high) is None:
             return None
