@@ -512,11 +512,18 @@ class ParametricCall(OpCall):
         """A copy of this call with ``batch_norm(f(x)) = f(x; scale*W, scale*b + shift)`` merged in.
 
         The merged output is ``batch_norm`` applied to ``output``, this call's
-        output, so it stays bitwise the plain model's.
+        output, so it stays bitwise the plain model's. On a call that has a
+        BatchNorm merged already (``conv -> bn -> bn2``) the two compose:
+        ``scale * (scale0 * z + shift0) + shift``. This call stays as it is, for
+        the other ops that read its output.
         """
+        if self._batch_norm is not None:
+            scale0, shift0 = self._batch_norm
+            scale, shift = scale0 * scale, shift0 * scale + shift
         merged = object.__new__(type(self))  # a shallow copy; copy.copy costs as much as a small op
         merged.__dict__.update(self.__dict__)
         merged._batch_norm = (scale, shift)
+        merged._merged_weight = merged._merged_bias = None  # this call's, if it made them already
         merged._prepared = False
         merged.name = f"{self.name}+batch_norm"
         merged._value = batch_norm(output.detach())

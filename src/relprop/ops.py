@@ -365,7 +365,8 @@ def _batch_norm(session, func, args, kwargs):
         return func(z, mean, var, bound["weight"], bound["bias"], False, bound["momentum"], bound["eps"])
 
     merged = producer.merge_batch_norm(batch_norm, scale, shift, x)
-    merged.module_name = session.module_name
+    # both modules in the name, so that every merge shows in messages and in the audit
+    merged.module_name = f"{producer.module_name}+{session.module_name}"
     out = session.run(merged, rule=producer.rule)
     record = session.tapped.get(x)
     # a tap between the layer and its BatchNorm moves behind the merged pair: there the relevance arrives
