@@ -31,6 +31,7 @@ unless the BatchNorm module has a ``rule`` of its own.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
 
@@ -134,7 +135,7 @@ class Composite:
             return self.attention
         if kind == "product" and self._gated.accepts(call):
             return self._gated
-        if kind == "product" and len(call.inputs) == 2:
+        if kind == "product" and len(call.inputs) >= 2:
             return self._uniform
         if kind in ("elementwise", "product"):
             return self._pass
@@ -264,6 +265,15 @@ def get(composite: Composite | str | None, **kwargs) -> Composite:
         key = composite.lower().replace("_", "-")
         if key not in PRESETS:
             raise ValueError(f"relprop: unknown preset {composite!r}; known presets: {', '.join(PRESETS)}")
-        return PRESETS[key](**kwargs)
+        preset = PRESETS[key]
+        missing = [name for name, parameter in inspect.signature(preset).parameters.items()
+                   if parameter.default is parameter.empty and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
+                   and name not in kwargs]
+        if missing:
+            raise ValueError(f"relprop: preset {key!r} needs {' and '.join(missing)}: use "
+                             f"relprop.composites.{preset.__name__}({', '.join(f'{n}=...' for n in missing)})"
+                             + (" with the smallest and largest input values (scalars or per-channel (1, C, 1, 1) "
+                                "tensors, in the model's input space)" if preset is EpsilonGammaBox else ""))
+        return preset(**kwargs)
     raise TypeError(f"relprop: composite must be a Composite, a preset name or None, got {type(composite).__name__}")
 
