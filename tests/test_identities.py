@@ -1,4 +1,4 @@
-"""Identities that hold for any correct LRP (DESIGN.md section 6), float64.
+"""Identities that hold for any correct LRP (docs/design.md, section 6), float64.
 
 - LRP-0 equals Gradient x Input on ReLU networks, biases, residual sums,
   concatenations, max pooling and eval BatchNorm included.

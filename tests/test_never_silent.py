@@ -118,7 +118,13 @@ def _read_then_overwritten(m, h):  # plain autograd allows it: `add` saves nothi
     return y * 2 + a
 
 
-WRITES = {"fresh buffer": _fresh_buffer, "experts": _experts, "scatter_add": _scatter_add,
+def _scatter_reduce(m, h):
+    index = torch.tensor([[0, 1, 2, 2], [3, 3, 4, 5]])
+    summed = torch.zeros(2, 8, dtype=h.dtype).scatter_reduce(1, index, h, "sum")
+    return summed + torch.zeros(2, 8, dtype=h.dtype).scatter_reduce(1, index, h, "amax", include_self=False)
+
+
+WRITES = {"scatter_reduce": _scatter_reduce, "fresh buffer": _fresh_buffer, "experts": _experts, "scatter_add": _scatter_add,
           "index_put accumulate": _index_put_accumulate, "self expression": _self_expression,
           "read then overwritten": _read_then_overwritten}
 
@@ -131,6 +137,14 @@ def test_writes_into_buffers_and_in_place_after_a_read(pattern):
     relevance = relprop.LRP(model, LRP0).attribute(x, target=0)
     expected = _gradient_times_input(model, x)
     assert relative_error(relevance, expected) < 1e-10
+
+
+def _fold(m, h):  # VOLO's outlook attention: overlapping patches added back into an image
+    patches = F.unfold(torch.cat([h, h], 1).reshape(2, 2, 2, 2), 2, padding=1)  # (2, 8, 9), overlapping
+    return F.fold(patches * 0.5, (2, 2), 2, padding=1).reshape(2, 8)
+
+
+WRITES["fold"] = _fold
 
 
 MULTILINEAR = {
@@ -248,12 +262,15 @@ class _Undefined(relprop.rules.Pass):
         return tuple(r / 0.0 for r in super().propagate(call, relevance))
 
 
-@pytest.mark.parametrize("rule, message", [(_Doubling(), "should conserve relevance but handed on"),
+@pytest.mark.parametrize("rule, message", [(_Doubling(), "created relevance: it handed on"),
                                            (_Undefined(), "produced NaN or infinite relevance")])
 def test_the_guard_names_the_op_whose_rule_creates_or_breaks_relevance(rule, message):
     model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 3, bias=False)).double().eval()
+    with torch.no_grad():  # positive weights and inputs: positive relevance, which doubling makes exceed its mass
+        for layer in (model[0], model[2]):
+            layer.weight.abs_()
     model[1].rule = rule
-    x = torch.randn(2, 4, dtype=torch.float64)
+    x = torch.rand(2, 4, dtype=torch.float64)
     with pytest.warns(ConservationWarning, match=rf"torch.tanh in module '1' with rule .* {message}"):
         relprop.LRP(model, LRP0).attribute(x, target=0)
     with pytest.raises(relprop.UnsupportedOpError, match=message):

@@ -170,7 +170,17 @@ class LRP:
         The rules (:mod:`relprop.composites`), a preset name such as
         ``"epsilon-plus-flat"``, or None for ``Epsilon(1e-6)`` on every linear op.
     strict : bool
-        Raise instead of warn when relevance reaches an op without a rule.
+        Raise instead of warn when relevance reaches an op without a rule, or
+        when a rule's relevance cannot be right (see ``guard``).
+    guard : bool
+        Check every op's relevance as it passes: NaN or infinite relevance, and
+        rules that should conserve relevance but create some, are reported with
+        the op's module path (:class:`~relprop.engine.ConservationWarning`).
+
+    Notes
+    -----
+    A model in ``nn.DataParallel`` is explained through the module it wraps:
+    its replicas run in threads, where the engine's interception is not active.
 
     Examples
     --------
@@ -178,13 +188,17 @@ class LRP:
     >>> relevance = lrp.attribute(images, target=labels)
     """
 
-    def __init__(self, model: nn.Module, composite: composites.Composite | str | None = None, strict: bool = False):
+    def __init__(self, model: nn.Module, composite: composites.Composite | str | None = None, strict: bool = False,
+                 guard: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"relprop: model must be a torch.nn.Module, got {type(model).__name__}")
         # compiled code runs its ops where no rule can reach them: explain the module it was compiled from
         self.model = model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
+        if isinstance(self.model, nn.DataParallel):  # replicas run in threads, outside the engine's mode
+            self.model = self.model.module
         self.composite = composites.get(composite)
         self.strict = strict
+        self.guard = guard
 
     @contextmanager
     def context(self) -> Iterator[Session]:
@@ -206,7 +220,8 @@ class LRP:
 
     @contextmanager
     def _session(self, taps=None, audit=None, token_inputs=()) -> Iterator[Session]:
-        session = Session(self.model, self.composite, self.strict, taps=taps, audit=audit, token_inputs=token_inputs)
+        session = Session(self.model, self.composite, self.strict, taps=taps, audit=audit, token_inputs=token_inputs,
+                          guard=self.guard)
         with torch.enable_grad(), session.active():
             yield session
 

@@ -1,4 +1,4 @@
-"""Composites: which rule each op of a model gets (DESIGN.md section 4).
+"""Composites: which rule each op of a model gets (docs/design.md, section 4).
 
 A composite answers, for every op of the forward pass, which rule propagates
 relevance through it. The answer is found in this order, first match wins:

@@ -45,11 +45,12 @@ class UnhandledOpWarning(UserWarning):
 
 
 class ConservationWarning(UserWarning):
-    """An op's rule produced NaN or infinite relevance, or created or lost relevance it should conserve."""
+    """An op's rule produced NaN or infinite relevance, or created relevance where it should conserve it."""
 
 
-#: how far the relevance an op hands on may differ from what arrived, as a share of the relevance arriving (its
-#: absolute values summed), before a rule that conserves is reported
+#: how far the relevance an op hands on may exceed the relevance arriving (its absolute values summed) before a
+#: rule that conserves is reported. A conservative rule with a stabiliser hands on sum_k R_k z_k / (z_k + eps),
+#: never more than sum_k |R_k|: any excess is relevance created, and no stabiliser can cause it
 CONSERVATION_MARGIN = 1e-2
 
 
@@ -135,14 +136,18 @@ class Session(TorchFunctionMode):
     token_inputs : tuple of integer tensors
         Model inputs of token ids: their embedding lookups collect relevance
         (:meth:`token_embedding`).
+    guard : bool
+        Report ops whose rule produced NaN or infinite relevance, or created
+        relevance where it should conserve it (:class:`ConservationWarning`).
     """
 
     def __init__(self, model: nn.Module, composite, strict: bool = False, taps=None, audit=None,
-                 token_inputs: tuple[Tensor, ...] = ()):
+                 token_inputs: tuple[Tensor, ...] = (), guard: bool = True):
         super().__init__()
         self.composite = composite
         self.strict = strict
         self.audit = audit
+        self.guard = guard
         self._taps = dict(taps or {})
         self._token_inputs = token_inputs
         #: index of an integer model input -> leaves of its embedded vectors (relevance collects there)
@@ -320,7 +325,7 @@ class Session(TorchFunctionMode):
             out = call._call(call.func, call.activations)
             self.carry_zeros(zeroed, out)
             return out
-        call.audit = self._observe
+        call.audit = self._observe if self.guard else self.audit
         out = propagate(call, rule)
         if not rule.accepts(call):
             shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
@@ -367,8 +372,9 @@ class Session(TorchFunctionMode):
         for i, (call, _, _) in enumerate(entries):
             if math.isfinite(arriving[i]) and not math.isfinite(handed[i]):
                 self.report_rule(call, "produced NaN or infinite relevance")
-            elif i in mass and abs(handed[i] - arriving[i]) > CONSERVATION_MARGIN * mass[i] + 1e-12:
-                self.report_rule(call, f"should conserve relevance but handed on {handed[i]:.6g} of {arriving[i]:.6g}")
+            elif i in mass and abs(handed[i]) > (1 + CONSERVATION_MARGIN) * mass[i] + 1e-12:
+                self.report_rule(call, f"created relevance: it handed on {handed[i]:.6g}, more than the {mass[i]:.6g} "
+                                       "that arrived (in absolute value)")
 
     def report_rule(self, call: OpCall, problem: str) -> None:
         """A rule's relevance cannot be right: warn once per op (raise in strict mode)."""

@@ -1,4 +1,4 @@
-"""Op families: how each torch function is intercepted (DESIGN.md section 3).
+"""Op families: how each torch function is intercepted (docs/design.md, section 3).
 
 :data:`HANDLERS` maps a torch function (``torch.conv2d``, ``Tensor.add``,
 ``F.relu``, ...) to a handler ``(session, func, args, kwargs) -> output``.
@@ -151,6 +151,16 @@ def _run_in_place(session, func, args, kwargs):
     if isinstance(args[0], Tensor):
         session.overwritten(args[0])
     return out
+
+
+def _scatter_reduce(session, func, args, kwargs):
+    """``scatter_reduce``: a sum for ``"sum"`` and ``"mean"``, winner-take-all (routing) for ``"amax"``/``"amin"``."""
+    reduce = _bind_builtin(("input", "dim", "index", "src", "reduce"), args, kwargs).get("reduce")
+    if reduce in ("sum", "mean"):
+        return _sum(session, func, args, kwargs)
+    if reduce in ("amax", "amin"):
+        return _run(session, func, args, kwargs)
+    return session.unknown(func, args, kwargs)
 
 
 def _index_put(routing: Handler) -> Handler:
@@ -807,7 +817,7 @@ _register(
     _lookup(_T, _ROUTING + " view view_as reshape_as expand expand_as repeat contiguous to float double half "
                 "bfloat16 type type_as cpu cuda __getitem__ unfold as_strided"),
     _lookup(F, "pad dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout pixel_shuffle "
-               "pixel_unshuffle channel_shuffle unfold fold max_pool1d_with_indices "
+               "pixel_unshuffle channel_shuffle unfold max_pool1d_with_indices "
                "max_pool2d_with_indices max_pool3d_with_indices"),
     [_T.T.__get__, _T.mT.__get__, _T.data.__get__],
 )
@@ -832,7 +842,8 @@ _register(_batch_norm, [F.batch_norm])
 
 _SUMS = "add sub rsub sum mean nansum cumsum __radd__ __rsub__"
 _sum = _linear("sum")
-_register(_sum, _lookup(torch, _SUMS), _lookup(_T, _SUMS))
+# F.fold adds overlapping patches: a sum (its gradient would copy each pixel's relevance to every patch)
+_register(_sum, _lookup(torch, _SUMS), _lookup(_T, _SUMS), [F.fold])
 _register(_resample, _lookup(torch, "avg_pool1d"), _lookup(_nn, "avg_pool2d avg_pool3d"),
           _lookup(F, "adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d interpolate upsample "
                      "upsample_bilinear upsample_nearest"))
@@ -842,6 +853,7 @@ _register(_sum, _lookup(torch, _ACCUMULATE), _lookup(_T, _ACCUMULATE))
 _register(_in_place(_T.index_add, _sum), _lookup(_T, "index_add_"))
 _register(_in_place(_T.scatter_add, _sum), _lookup(_T, "scatter_add_"))
 _register(_index_put(_run), _lookup(torch, "index_put"), _lookup(_T, "index_put"))
+_register(_scatter_reduce, _lookup(torch, "scatter_reduce"), _lookup(_T, "scatter_reduce"))
 _register(_index_put(_run_in_place), _lookup(_T, "index_put_"))
 _register(_in_place_sum(_T.add, 1), _lookup(_T, "add_ __iadd__"))
 _register(_in_place_sum(_T.sub, -1), _lookup(_T, "sub_ __isub__"))

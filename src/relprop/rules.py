@@ -22,7 +22,7 @@ The op call offers:
     For parametric kinds: the parameters (a BatchNorm that follows is already
     merged in) and the operation re-evaluated with other inputs or parameters.
 
-Linear rules follow the general form of DESIGN.md section 2: with modified
+Linear rules follow the general form of docs/design.md, section 2: with modified
 parameters ``rho`` the modified output ``z'`` is computed, ``s = R / (z' +
 eps * sign(z'))`` and ``R_in = x * VJP(s)``.
 """
@@ -122,12 +122,12 @@ class Rule:
         return call.kind in self.kinds
 
     def conserves(self, call) -> bool:
-        """Whether the relevance this rule hands to ``call``'s inputs adds up to what arrived (up to a stabiliser).
+        """Whether the relevance this rule hands to ``call``'s inputs adds up to what arrived, up to a stabiliser.
 
-        The engine reports an op whose rule says so but whose totals differ by
-        a clear margin (:class:`~relprop.engine.ConservationWarning`). False
-        unless a rule says so: rules with biases, bounds or stabilisers may
-        absorb relevance by design.
+        Such a rule hands on ``sum_k R_k z_k / (z_k + eps)``, never more than
+        ``sum_k |R_k|``; the engine reports an op whose rule says so but hands on
+        more (:class:`~relprop.engine.ConservationWarning`). False unless a rule
+        says so: biases and bounds take or give relevance by design.
         """
         return False
 
