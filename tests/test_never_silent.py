@@ -7,11 +7,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import relative_error
 from torch import nn
 
 import relprop
 from relprop.engine import ConservationWarning
-from conftest import relative_error
 
 LRP0 = relprop.composites.Epsilon(epsilon=0.0)
 
