@@ -82,7 +82,7 @@ def audit(model: nn.Module, inputs: Tensor | Sequence[Tensor], target: Target = 
 
     lrp = LRP(model, composite)
     with torch.inference_mode(False):
-        explained = lrp.forward(inputs, additional_forward_args, audit=record)
+        explained = lrp.record(inputs, additional_forward_args, audit=record)
         seed = output_relevance(explained.logits, target)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # unhandled ops are rows of the table here
