@@ -30,7 +30,7 @@ def test_relevance_sits_on_the_tones_and_is_accounted_for(encoder_and_mels):
     report = relprop.audit(encoder, mels[None], target=dimension)
     assert not report.unhandled
     assert delta == pytest.approx(report.absorbed_total, rel=1e-4, abs=1e-6)  # biases absorb what is missing
-    assert torch.equal(relprop.LRP(encoder).forward(mels[None]).logits, encoder(mels[None]))
+    assert torch.equal(relprop.LRP(encoder).record(mels[None]).logits, encoder(mels[None]))
 
 
 def test_bias_free_encoder_conserves(encoder_and_mels):

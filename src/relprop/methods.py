@@ -276,7 +276,10 @@ class IntegratedGradients(_GradientMethod):
             Points on the path (default 50).
         method : str
             ``"gausslegendre"`` (default, as captum), ``"riemann_left"``,
-            ``"riemann_right"``, ``"riemann_middle"`` or ``"riemann_trapezoid"``.
+            ``"riemann_right"``, ``"riemann_middle"`` or ``"riemann_trapezoid"``
+            (the trapezoid rule, weights ``1/(n_steps-1)`` halved at the ends;
+            captum 0.9 uses ``1/n_steps``, which integrates only
+            ``(n_steps-1)/n_steps`` of the path).
         internal_batch_size : int, optional
             Path points per forward and backward pass (default: 256 at most).
         return_convergence_delta : bool
