@@ -284,8 +284,8 @@ class LRP(Attribution):
                audit: Any = None) -> ForwardPass:
         """Run the model once under the engine and keep the pass, for :meth:`ForwardPass.relevance`.
 
-        Use it to propagate several output relevances through one forward
-        pass (``retain_graph`` is not needed: each propagation is its own).
+        Use it to choose the output relevance after seeing the output. A
+        recorded pass carries relevance once: record again for another seed.
         ``additional_forward_args`` may be a tuple of further positional
         arguments or a dict of keyword arguments (``attention_mask=...``).
         ``taps`` and ``audit`` are handed to :class:`~relprop.engine.Session`.
