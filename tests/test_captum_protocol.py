@@ -116,6 +116,7 @@ def test_protocol_flags_and_names_match_captums_counterparts():
     assert [c.get_name() for c in (relprop.LRP, relprop.LayerLRP, methods.InputGradient, methods.GradientXInput,
                                    methods.IntegratedGradients, methods.SmoothGrad)] == [
         "LRP", "Layer LRP", "Input Gradient", "Gradient X Input", "Integrated Gradients", "Smooth Grad"]
+    assert methods.Occlusion(model).multiplies_by_inputs == captum_attr.Occlusion(model).multiplies_by_inputs
     assert not methods.Occlusion(model).has_convergence_delta()
     with pytest.raises(NotImplementedError, match="Occlusion has no convergence delta"):
         methods.Occlusion(model).compute_convergence_delta(images())
@@ -165,16 +166,38 @@ def test_sensitivity_max_equals_captums_where_the_methods_coincide():
         torch.testing.assert_close(our_score, their_score, rtol=1e-8, atol=1e-12)
 
 
-@pytest.mark.parametrize("make", [lambda m: relprop.LRP(m), lambda m: methods.InputGradient(m),
-                                  lambda m: methods.IntegratedGradients(m), lambda m: methods.Occlusion(m, 2, 2),
-                                  lambda m: relprop.LayerLRP(m, "4")],
-                         ids=["LRP", "InputGradient", "IntegratedGradients", "Occlusion", "LayerLRP"])
-def test_a_target_of_one_broadcasts_over_the_batch(make):
+@pytest.mark.parametrize("make, options", [
+    (lambda m: relprop.LRP(m), {}), (lambda m: methods.InputGradient(m), {}),
+    (lambda m: methods.IntegratedGradients(m), {}), (lambda m: relprop.LayerLRP(m, "4"), {}),
+    (lambda m: methods.Occlusion(m), {"sliding_window_shapes": (2, 3, 3), "strides": (1, 3, 3)})],
+    ids=["LRP", "InputGradient", "IntegratedGradients", "LayerLRP", "Occlusion"])
+def test_a_target_of_one_broadcasts_over_the_batch(make, options):
     model, x = relu_net(), images()
     method = make(model)
-    by_int = method.attribute(x, target=2)
+    by_int = method.attribute(x, target=2, **options)
     for one in (torch.tensor([2]), [2], torch.tensor(2)):
-        torch.testing.assert_close(method.attribute(x, target=one), by_int, rtol=0, atol=0)
+        torch.testing.assert_close(method.attribute(x, target=one, **options), by_int, rtol=0, atol=0)
+
+
+def test_occlusion_equals_captums_with_cut_windows_and_tuple_inputs():
+    model, x = relu_net(), images()
+    options = dict(sliding_window_shapes=(1, 4, 4), strides=(1, 3, 3), baselines=0.25, target=[0, 2, 1, 0])
+    ours = methods.Occlusion(model).attribute(x, perturbations_per_eval=3, **options)
+    theirs = captum_attr.Occlusion(model).attribute(x, **options)
+    assert ours.dtype == torch.float64  # captum 0.9 returns float32 here: compare to its precision
+    torch.testing.assert_close(ours, theirs.double(), rtol=1e-5, atol=1e-6)
+
+    class TwoInputs(nn.Module):
+        def forward(self, a, b, scale):
+            return model(a + b[:, :, None, None]) * scale
+
+    b, scale = torch.randn(4, 2, dtype=torch.float64), torch.tensor([[1.0], [2.0], [0.5], [-1.0]], dtype=torch.float64)
+    options = dict(sliding_window_shapes=((2, 2, 2), (1,)), strides=((1, 2, 2), 1), target=1,
+                   additional_forward_args=(scale,))
+    ours = methods.Occlusion(TwoInputs()).attribute((x, b), **options)
+    theirs = captum_attr.Occlusion(TwoInputs()).attribute((x, b), **options)
+    for mine, captums in zip(ours, theirs):
+        torch.testing.assert_close(mine, captums.double(), rtol=1e-5, atol=1e-6)
 
 
 def test_target_lists_of_other_lengths_are_refused():

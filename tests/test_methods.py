@@ -86,11 +86,22 @@ def test_smoothgrad_without_noise_is_the_gradient():
     torch.testing.assert_close(smooth, methods.InputGradient(model).attribute(x, target=1))
 
 
-def test_occlusion_of_single_pixels_on_a_linear_model():
+def test_occlusion_of_single_features_on_a_linear_model_is_gradient_times_input():
     model, x = linear_model(), torch.randn(2, 2, 4, 4, dtype=torch.float64)
     weight = model[1].weight[2].detach().reshape(2, 4, 4)
-    drop = methods.Occlusion(model, window=1, stride=1).attribute(x, target=2)
-    expected = (weight * x).sum(1, keepdim=True).expand_as(x) / 2  # the drop of a pixel, shared by its channels
+    drop = methods.Occlusion(model).attribute(x, sliding_window_shapes=(1, 1, 1), target=2)
+    torch.testing.assert_close(drop, weight * x)
+
+
+def test_occlusion_windows_share_their_drop_and_edges_are_cut():
+    """A 3-wide window with stride 2 on 4 features: windows [0:3] and [2:4], the second cut at the edge."""
+    model = nn.Sequential(nn.Linear(4, 1, bias=False)).double()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    x = torch.ones(1, 4, dtype=torch.float64)
+    drop = methods.Occlusion(model).attribute(x, sliding_window_shapes=(3,), strides=2, perturbations_per_eval=1)
+    first, second = 1 + 2 + 3, 3 + 4  # the output drop of each window
+    expected = torch.tensor([[first, first, (first + second) / 2, second]], dtype=torch.float64)
     torch.testing.assert_close(drop, expected)
 
 
@@ -102,3 +113,7 @@ def test_bad_method_arguments_raise_one_line_errors():
         methods.IntegratedGradients(model).attribute(x, target=0, baselines=torch.zeros(3, dtype=torch.float64))
     with pytest.raises(TypeError, match="floating-point tensor"):
         methods.InputGradient(model).attribute(torch.zeros(2, 32, dtype=torch.long), target=0)
+    with pytest.raises(ValueError, match="larger than the window .* leave features uncovered"):
+        methods.Occlusion(model).attribute(x, sliding_window_shapes=(2, 1, 1), strides=(1, 2, 2), target=0)
+    with pytest.raises(ValueError, match="must give a positive size for each of the 3 dimensions"):
+        methods.Occlusion(model).attribute(x, sliding_window_shapes=(2, 2), target=0)

@@ -14,6 +14,7 @@ Like captum's, every class works inside ``captum.attr.NoiseTunnel`` and with
 """
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -324,59 +325,112 @@ class IntegratedGradients(_GradientMethod):
         return -convergence_delta(explained, attributions)
 
 
-class Occlusion(_GradientMethod):
-    """Output drop when a square window (all channels) is set to ``baseline`` (Zeiler & Fergus 2014).
+class Occlusion(Attribution):
+    """Output drop when a window of the input is set to a baseline (Zeiler & Fergus 2014), captum's arguments.
 
-    Each pixel gets the mean drop over the windows that cover it, shared
-    equally by its channels (so a pixel's channels sum to its mean drop;
-    captum's ``Occlusion`` gives every channel the whole drop).
+    The window slides over all dimensions after the batch; where the input
+    is not a whole number of strides, the last window is cut at the edge.
+    Each feature gets the mean drop of the target output over the windows
+    that cover it (captum's ``Occlusion``). The occluded copies run as
+    batches; tuple inputs are occluded one at a time.
 
     Parameters
     ----------
     forward_func : callable
-    window, stride : int
-        Side and step of the square window over the last two dimensions.
-    baseline : float
-    chunk_size : int
-        Occluded copies per forward pass.
+        The model.
     """
 
-    def __init__(self, forward_func: Callable[..., Any], window: int = 4, stride: int = 2, baseline: float = 0.0,
-                 chunk_size: int = 256):
-        super().__init__(forward_func, chunk_size)
-        self.window, self.stride, self.baseline = window, stride, baseline
+    multiplies_by_inputs = True  # captum's flag for perturbation methods
 
     @_captum_entry
     @torch.no_grad()
-    def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None
-                  ) -> Tensor | tuple[Tensor, ...]:
-        """The mean output drop per pixel, shaped like the input (one input tensor, or a tuple of one)."""
-        items = _format_inputs(inputs)
-        if len(items) != 1 or items[0].dim() < 3:
-            raise ValueError("relprop: Occlusion takes one input tensor of shape (N, C, ..., H, W)")
-        (x,) = items
-        arguments = _forward_arguments(additional_forward_args)
-        height, width = x.shape[-2:]
-        corners = [(top, left) for top in range(0, max(height - self.window, 0) + 1, self.stride)
-                   for left in range(0, max(width - self.window, 0) + 1, self.stride)]
-        logits = model_logits(self.forward_func(x, *arguments[0], **arguments[1]))
-        reference = (logits * target_mask(logits, target)).flatten(1).sum(1)
-        drop = torch.zeros(x.shape[0], height, width, dtype=x.dtype, device=x.device)
-        count = torch.zeros(height, width, dtype=x.dtype, device=x.device)
-        per_chunk = max(1, self.chunk_size // x.shape[0])
-        for start in range(0, len(corners), per_chunk):
-            chunk = corners[start:start + per_chunk]
-            # example-major copies: the len(chunk) occluded copies of each example are consecutive
-            copies = x.unsqueeze(1).repeat(1, len(chunk), *[1] * (x.dim() - 1))
-            for i, (top, left) in enumerate(chunk):
-                copies[:, i, ..., top:top + self.window, left:left + self.window] = self.baseline
-            positional, keywords = _repeat_arguments(arguments, x.shape[0], len(chunk))
-            out = model_logits(self.forward_func(copies.flatten(0, 1), *positional, **keywords))
-            scores = (out * target_mask(out, _interleave_target(target, len(chunk)))).flatten(1).sum(1)
-            scores = scores.reshape(x.shape[0], len(chunk))
-            for i, (top, left) in enumerate(chunk):
-                drop[:, top:top + self.window, left:left + self.window] += (reference - scores[:, i]).reshape(-1, 1, 1)
-                count[top:top + self.window, left:left + self.window] += 1
-        result = (drop / count.clamp(min=1)).unsqueeze(1).expand_as(x) / x.shape[1]
-        return _as_given(inputs, (result,))
+    def attribute(self, inputs: Inputs, sliding_window_shapes: tuple[int, ...] | tuple[tuple[int, ...], ...],
+                  strides: int | tuple[int, ...] | tuple[int | tuple[int, ...], ...] | None = None,
+                  baselines: Any = None, target: Target = None, additional_forward_args: Any = None,
+                  perturbations_per_eval: int | None = None) -> Tensor | tuple[Tensor, ...]:
+        """The mean output drop per feature, shaped like the inputs.
 
+        Parameters
+        ----------
+        inputs : Tensor or tuple of Tensors
+        sliding_window_shapes : tuple of ints, or one per input
+            The window, over every dimension after the batch (``(C, 4, 4)``
+            for a 4x4 patch through all channels of an image).
+        strides : int or tuple, or one per input
+            Steps of the window per dimension (default 1).
+        baselines : None (zeros), number, Tensor or tuple of them
+            What an occluded window is set to.
+        target, additional_forward_args :
+            As for :meth:`relprop.LRP.attribute`.
+        perturbations_per_eval : int, optional
+            Occluded copies of each example per forward pass (default: as
+            many as keep a pass at 256 examples or fewer).
+        """
+        items = _format_inputs(inputs)
+        windows = _per_input(sliding_window_shapes, items, "sliding_window_shapes")
+        steps = _per_input(1 if strides is None else strides, items, "strides")
+        starts = _format_baselines(items, baselines)
+        arguments = _forward_arguments(additional_forward_args)
+        batch = items[0].shape[0]
+        per_pass = perturbations_per_eval or max(1, 256 // batch)
+        reference = _target_totals(self.forward_func(*items, *arguments[0], **arguments[1]), target)
+        results = []
+        for index, (x, window, stride, start) in enumerate(zip(items, windows, steps, starts)):
+            masks = _window_masks(x.shape[1:], _dims(window, x, "sliding_window_shapes"), _dims(stride, x, "strides"))
+            drop = torch.zeros_like(x)
+            for first in range(0, len(masks), per_pass):
+                chunk = torch.stack(masks[first:first + per_pass]).to(x.device)  # (K, *x.shape[1:])
+                count = chunk.shape[0]
+                # example-major copies: the K occluded copies of each example are consecutive
+                occluded = torch.where(chunk, start.unsqueeze(1), x.unsqueeze(1)).flatten(0, 1)
+                copies = tuple(occluded if i == index else other.repeat_interleave(count, 0)
+                               for i, other in enumerate(items))
+                positional, keywords = _repeat_arguments(arguments, batch, count)
+                scores = _target_totals(self.forward_func(*copies, *positional, **keywords),
+                                        _interleave_target(target, count)).reshape(batch, count)
+                drop += ((reference.unsqueeze(1) - scores).reshape(batch, count, *[1] * (x.dim() - 1))
+                         * chunk.unsqueeze(0)).sum(1)
+            covered = torch.stack(masks).sum(0).to(x)
+            results.append(drop / covered)
+        return _as_given(inputs, tuple(results))
+
+
+def _target_totals(output: Any, target: Target) -> Tensor:
+    """The model output at ``target``, summed per example."""
+    logits = model_logits(output)
+    return (logits * target_mask(logits, target)).reshape(logits.shape[0], -1).sum(1)
+
+
+def _per_input(value: Any, items: tuple[Tensor, ...], name: str) -> tuple[Any, ...]:
+    """One window (or stride) per input: a single input takes ``value`` (or a tuple of one), several a tuple."""
+    if isinstance(value, int):
+        return (value,) * len(items)
+    if len(items) == 1:
+        return value if len(value) == 1 and isinstance(value[0], tuple) else (value,)
+    if not isinstance(value, tuple) or len(value) != len(items):
+        raise ValueError(f"relprop: {name} needs one entry per input ({len(items)} inputs), got {value!r}")
+    return value
+
+
+def _dims(value: int | tuple[int, ...], x: Tensor, name: str) -> tuple[int, ...]:
+    """A window or stride over every dimension after the batch."""
+    dims = (value,) * (x.dim() - 1) if isinstance(value, int) else tuple(value)
+    if len(dims) != x.dim() - 1 or any(d < 1 for d in dims):
+        raise ValueError(f"relprop: {name} {value!r} must give a positive size for each of the "
+                         f"{x.dim() - 1} dimensions after the batch of an input of shape {tuple(x.shape)}")
+    return dims
+
+
+def _window_masks(shape: torch.Size, window: tuple[int, ...], stride: tuple[int, ...]) -> list[Tensor]:
+    """Boolean masks of every window position; the last position per dimension is cut at the edge."""
+    if any(w > size for w, size in zip(window, shape)):
+        raise ValueError(f"relprop: the window {window} is larger than the input's {tuple(shape)}")
+    if any(step > w and w < size for step, w, size in zip(stride, window, shape)):
+        raise ValueError(f"relprop: strides {stride} larger than the window {window} leave features uncovered")
+    starts = [range(0, size - w + step, step) for size, w, step in zip(shape, window, stride)]
+    masks = []
+    for corner in itertools.product(*starts):
+        mask = torch.zeros(shape, dtype=torch.bool)
+        mask[tuple(slice(c, c + w) for c, w in zip(corner, window))] = True
+        masks.append(mask)
+    return masks
