@@ -82,7 +82,7 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
         mask.fill_(True)
     elif _is_index(target) or isinstance(target, tuple):
         index = _check_index(target if isinstance(target, tuple) else (target,), output.shape, target)
-        mask[(slice(None), *index)] = True
+        mask[(slice(None), *index)] = True  # type: ignore[index]  # mypy misreads the starred ints
     elif isinstance(target, (list, Tensor)):
         if isinstance(target, Tensor) and target.dim() != 1:
             raise ValueError(f"relprop: a target tensor must be 1-D (one class per example), got shape "
@@ -249,7 +249,7 @@ class LRP(Attribution):
             raise TypeError(f"relprop: model must be a torch.nn.Module, got {type(model).__name__}")
         # compiled code runs its ops where no rule can reach them: explain the module it was compiled from
         compiled = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
-        self.model: nn.Module = model._orig_mod if compiled else model
+        self.model: nn.Module = model._orig_mod if compiled else model  # type: ignore[assignment]
         super().__init__(self.model)
         self.composite = composites.get(composite)
         self.strict = strict
@@ -411,7 +411,7 @@ class ForwardPass:
         return tuple(relevance)
 
 
-def convergence_delta(seed: Tensor, relevance: Tensor | Sequence[Tensor | None]) -> Tensor:
+def convergence_delta(seed: Tensor, relevance: Tensor | Sequence[Tensor | None] | None) -> Tensor:
     """``seed total - relevance total`` per example: the relevance the rules absorbed (or created).
 
     The one definition of the delta in relprop (captum's ``LRP`` sign): 0

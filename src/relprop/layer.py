@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from .attribution import LRP, Attribution, Inputs, Target, _captum_entry, convergence_delta, output_relevance
 from .composites import Composite
+from .engine import Session
 from .graph import is_activation
 
 __all__ = ["LayerLRP", "ModuleRelevance", "module_relevance"]
@@ -51,6 +52,7 @@ class _Record:
     def value(self) -> Tensor:
         if self.relevance is not None:
             return self.relevance
+        assert self.below is not None, "a record is read after its forward pass"
         zeros = torch.zeros_like(self.below)
         return zeros if self.reduce is None else self.reduce(zeros)
 
@@ -63,10 +65,10 @@ class _Tapper:
         self.reduce = reduce
         self.calls: list[tuple[bool, list[_Record | None]]] = []  # (single tensor?, records) per call
 
-    def __call__(self, session, value: Any) -> Any:
+    def __call__(self, session: Session, value: Any) -> Any:
         records: list[_Record | None] = []
 
-        def tap_one(item):
+        def tap_one(item: Any) -> Any:
             if is_activation(item):
                 record = _Record(self.reduce)
                 records.append(record)
@@ -87,7 +89,7 @@ class _Tapper:
     def records(self) -> list[_Record]:
         return [record for _, records in self.calls for record in records if record is not None]
 
-    def results(self) -> list[Tensor | tuple]:
+    def results(self) -> list[Tensor | tuple | None]:
         """One result per call: a tensor, or a tuple for tuple-valued outputs / several inputs."""
         out = []
         for single, records in self.calls:
@@ -111,7 +113,7 @@ def _resolve(model: nn.Module, layer: nn.Module | str) -> nn.Module:
 
 def _backward_to_taps(logits: Tensor, seed: Tensor, tappers: Sequence[_Tapper]) -> None:
     """Propagate the seed down to the deepest tap only."""
-    below = [record.below for tapper in tappers for record in tapper.records()]
+    below = [record.below for tapper in tappers for record in tapper.records() if record.below is not None]
     if not below:
         raise RuntimeError("relprop: no relevance reaches the requested layer(s): they did not run in the "
                            "forward pass, or their outputs do not depend on the input")
@@ -150,7 +152,8 @@ class LayerLRP(Attribution):
         self.lrp = LRP(model, composite, strict)
         super().__init__(self.lrp.model)
         self._many = isinstance(layer, (list, tuple))
-        self.layers = [_resolve(model, item) for item in (layer if self._many else [layer])]
+        layers: Sequence[nn.Module | str] = layer if isinstance(layer, (list, tuple)) else [layer]  # type: ignore
+        self.layers = [_resolve(model, item) for item in layers]
 
     def _run(self, inputs: Inputs, target: Target, additional_forward_args: Any, attribute_to_layer_input: bool,
              reduce: Reduce | None = None) -> tuple[Tensor, list[_Tapper]]:
@@ -244,6 +247,7 @@ class LayerLRP(Attribution):
                                      f"{relevance.shape[1]}")
                 mask[k, channels] = 1.0
             mask = mask.repeat_interleave(batch, 0).reshape(count * batch, -1, *[1] * (relevance.dim() - 2))
+            assert record.below is not None, "the tap of a layer that ran has its tensor"
             (through,) = torch.autograd.grad(record.below, leaf, relevance * mask)
         return through.reshape(count, batch, *inputs.shape[1:])
 
@@ -269,7 +273,7 @@ class ModuleRelevance(Mapping):
         self._tappers = {name: tapper for name, tapper in tappers.items() if tapper.calls}
         self.input = input
 
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> Any:
         return _one_or_list(self._tappers[name].results())
 
     def __iter__(self) -> Iterator[str]:
@@ -279,9 +283,9 @@ class ModuleRelevance(Mapping):
         return len(self._tappers)
 
 
-def module_relevance(model: nn.Module, inputs: Tensor | Sequence[Tensor], target: Target = None, composite=None,
-                     modules: str | Sequence[str] = "*", reduce: Reduce | None = None,
-                     additional_forward_args: Any = None) -> ModuleRelevance:
+def module_relevance(model: nn.Module, inputs: Inputs, target: Target = None,
+                     composite: Composite | str | None = None, modules: str | Sequence[str] = "*",
+                     reduce: Reduce | None = None, additional_forward_args: Any = None) -> ModuleRelevance:
     """Relevance at the output of every selected module, in one forward and one backward pass.
 
     Parameters
