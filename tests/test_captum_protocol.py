@@ -82,6 +82,21 @@ def test_input_gradient_in_noise_tunnel_equals_captum_saliency_without_abs():
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
 
 
+def test_integrated_gradients_in_noise_tunnel_equals_captums():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(72, 10), nn.Tanh(), nn.Linear(10, 3)).double().eval()
+    x = images(2)
+    results = []
+    for method in (methods.IntegratedGradients(model), captum_attr.IntegratedGradients(model)):
+        torch.manual_seed(9)
+        results.append(captum_attr.NoiseTunnel(method).attribute(
+            x, nt_samples=3, stdevs=0.1, target=1, baselines=0.0, n_steps=16, method="riemann_middle",
+            return_convergence_delta=True))
+    (ours, our_delta), (theirs, their_delta) = results
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(our_delta, their_delta, rtol=1e-4, atol=1e-6)
+    assert our_delta.shape == (6,)
+
+
 @pytest.mark.parametrize("method", ["gausslegendre", "riemann_middle", "riemann_trapezoid", "riemann_left"])
 def test_integrated_gradients_equals_captums(method):
     model = nn.Sequential(nn.Flatten(), nn.Linear(72, 10), nn.Tanh(), nn.Linear(10, 3)).double().eval()

@@ -77,12 +77,6 @@ class _GradientMethod(Attribution):
         super().__init__(forward_func)
         self.chunk_size = chunk_size
 
-    def _target_output(self, inputs: tuple[Tensor, ...], target: Target, arguments: Arguments) -> Tensor:
-        """The output at ``target`` summed per example: what the gradient explains."""
-        with torch.no_grad():
-            logits = model_logits(self.forward_func(*inputs, *arguments[0], **arguments[1]))
-        return (logits * target_mask(logits, target)).reshape(logits.shape[0], -1).sum(1)
-
     def _gradients(self, inputs: tuple[Tensor, ...], target: Target, arguments: Arguments) -> tuple[Tensor, ...]:
         """Gradient of the target output with respect to each input (one batch)."""
         with torch.enable_grad():
@@ -321,7 +315,9 @@ class IntegratedGradients(_GradientMethod):
         ends = _format_inputs(end_point)
         starts = _format_baselines(ends, start_point)
         arguments = _forward_arguments(additional_forward_args)
-        explained = self._target_output(ends, target, arguments) - self._target_output(starts, target, arguments)
+        with torch.no_grad():
+            explained = (_target_totals(self.forward_func(*ends, *arguments[0], **arguments[1]), target)
+                         - _target_totals(self.forward_func(*starts, *arguments[0], **arguments[1]), target))
         return -convergence_delta(explained, attributions)
 
 
