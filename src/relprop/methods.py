@@ -1,10 +1,10 @@
 """Other attribution methods, with :class:`relprop.LRP`'s interface and captum's ``Attribution`` protocol.
 
-All are gradient-based and batched: SmoothGrad's noise samples, Integrated
-Gradients' path steps and Occlusion's occluded copies run as batches through
-one forward and backward pass per chunk, not as Python loops of single passes.
-The gradient is seeded with 1 at the target (captum's convention; ``target``
-as for :func:`relprop.attribution.target_mask`). Inputs are a tensor or a
+All are batched: SmoothGrad's noise samples, Integrated Gradients' path
+steps and Occlusion's occluded copies run as batches through one pass per
+chunk, not as Python loops of single passes. Gradients are seeded with 1 at
+the target (captum's convention; ``target`` as for
+:func:`relprop.attribution.target_mask`). Inputs are a tensor or a
 tuple of floating-point tensors, batch first; ``additional_forward_args`` is
 a tuple of further positional arguments or a dict of keyword arguments, and
 its tensors whose first dimension is the batch are repeated with the inputs.
@@ -28,6 +28,7 @@ from .attribution import (Attribution, Inputs, Target, _as_tuple, _captum_entry,
 __all__ = ["InputGradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "Occlusion", "Gradient"]
 
 Arguments = tuple[tuple, dict]  # positional and keyword arguments after the inputs
+_CHUNK = 256  # examples per forward pass where a method runs many copies and the caller does not say
 
 
 def _format_inputs(inputs: Inputs) -> tuple[Tensor, ...]:
@@ -63,8 +64,8 @@ def _slice_arguments(arguments: Arguments, batch: int, start: int, stop: int) ->
 
 def _interleave_target(target: Target, times: int) -> Target:
     """Per-example targets for ``times`` consecutive copies of each example; a target for all as it is."""
-    if isinstance(target, Tensor) and target.dim() == 1 and target.numel() > 1 or \
-            isinstance(target, list) and len(target) > 1:
+    if (isinstance(target, Tensor) and target.dim() == 1 and target.numel() > 1
+            or isinstance(target, list) and len(target) > 1):
         items = target.tolist() if isinstance(target, Tensor) else target
         return [item for item in items for _ in range(times)]
     return target
@@ -72,10 +73,6 @@ def _interleave_target(target: Target, times: int) -> Target:
 
 class _GradientMethod(Attribution):
     """A model explained on its logits through gradients seeded with 1 at the target."""
-
-    def __init__(self, forward_func: Callable[..., Any], chunk_size: int = 256):
-        super().__init__(forward_func)
-        self.chunk_size = chunk_size
 
     def _gradients(self, inputs: tuple[Tensor, ...], target: Target, arguments: Arguments) -> tuple[Tensor, ...]:
         """Gradient of the target output with respect to each input (one batch)."""
@@ -121,10 +118,10 @@ class InputGradient(_GradientMethod):
 class Gradient(InputGradient):
     """Deprecated name of :class:`InputGradient` (it clashed with :class:`relprop.rules.Gradient`)."""
 
-    def __init__(self, forward_func: Callable[..., Any], chunk_size: int = 256):
+    def __init__(self, forward_func: Callable[..., Any]):
         warnings.warn("relprop: methods.Gradient is deprecated, use methods.InputGradient", DeprecationWarning,
                       stacklevel=2)
-        super().__init__(forward_func, chunk_size)
+        super().__init__(forward_func)
 
     @classmethod
     def get_name(cls) -> str:
@@ -161,9 +158,9 @@ class SmoothGrad(_GradientMethod):
     """
 
     def __init__(self, forward_func: Callable[..., Any], samples: int = 32, noise: float = 0.15,
-                 chunk_size: int = 256):
-        super().__init__(forward_func, chunk_size)
-        self.samples, self.noise = samples, noise
+                 chunk_size: int = _CHUNK):
+        super().__init__(forward_func)
+        self.samples, self.noise, self.chunk_size = samples, noise, chunk_size
 
     @_captum_entry
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None
@@ -243,7 +240,7 @@ class IntegratedGradients(_GradientMethod):
 
     def __init__(self, forward_func: Callable[..., Any], multiply_by_inputs: bool = True, *,
                  steps: int | None = None, baseline: float | Tensor | None = None, chunk_size: int | None = None):
-        super().__init__(forward_func, 256 if chunk_size is None else chunk_size)
+        super().__init__(forward_func)
         self.multiplies_by_inputs = multiply_by_inputs
         self._defaults: dict[str, Any] = {"n_steps": 50, "method": "gausslegendre", "baselines": None,
                                           "internal_batch_size": None}
@@ -276,7 +273,7 @@ class IntegratedGradients(_GradientMethod):
             captum 0.9 uses ``1/n_steps``, which integrates only
             ``(n_steps-1)/n_steps`` of the path).
         internal_batch_size : int, optional
-            Path points per forward and backward pass (default: 256 at most).
+            Path points per forward and backward pass (default 256).
         return_convergence_delta : bool
             Also return captum's completeness error per example:
             ``attributions total - (f(inputs) - f(baselines))`` at the target.
@@ -284,7 +281,7 @@ class IntegratedGradients(_GradientMethod):
         n_steps = self._defaults["n_steps"] if n_steps is None else n_steps
         method = self._defaults["method"] if method is None else method
         baselines = self._defaults["baselines"] if baselines is None else baselines
-        internal_batch_size = internal_batch_size or self._defaults["internal_batch_size"] or self.chunk_size
+        internal_batch_size = internal_batch_size or self._defaults["internal_batch_size"] or _CHUNK
         items = _format_inputs(inputs)
         starts = _format_baselines(items, baselines)
         arguments = _forward_arguments(additional_forward_args)
@@ -368,7 +365,7 @@ class Occlusion(Attribution):
         starts = _format_baselines(items, baselines)
         arguments = _forward_arguments(additional_forward_args)
         batch = items[0].shape[0]
-        per_pass = perturbations_per_eval or max(1, 256 // batch)
+        per_pass = perturbations_per_eval or max(1, _CHUNK // batch)
         reference = _target_totals(self.forward_func(*items, *arguments[0], **arguments[1]), target)
         results = []
         for index, (x, window, stride, start) in enumerate(zip(items, windows, steps, starts)):
