@@ -37,7 +37,7 @@ SAMPLING_RATE = 16000
 class SpeakerEncoder(nn.Module):
     """Resemblyzer's VoiceEncoder architecture: the last layer's final hidden state, linear, ReLU, unit norm."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.lstm = nn.LSTM(40, 256, 3, batch_first=True)
         self.linear = nn.Linear(256, 256)
@@ -61,7 +61,8 @@ def load_encoder() -> SpeakerEncoder:
     return encoder.eval()
 
 
-def tone_utterance(frequencies=(220.0, 330.0, 0.0, 440.0, 660.0, 0.0, 880.0), seconds: float = 0.25) -> np.ndarray:
+def tone_utterance(frequencies: tuple[float, ...] = (220.0, 330.0, 0.0, 440.0, 660.0, 0.0, 880.0),
+                   seconds: float = 0.25) -> np.ndarray:
     """Tones of the given pitches (0: silence), each ``seconds`` long, with soft edges."""
     time = np.arange(int(seconds * SAMPLING_RATE)) / SAMPLING_RATE
     envelope = np.minimum(1.0, np.minimum(time, time[::-1]) / 0.02)
@@ -77,7 +78,7 @@ def mel_spectrogram(wav: np.ndarray) -> Tensor:
     return torch.from_numpy(frames.astype(np.float32).T)
 
 
-def explain(encoder: nn.Module, mels: Tensor, composite="epsilon"):
+def explain(encoder: nn.Module, mels: Tensor, composite: str = "epsilon") -> tuple[int, Tensor, float]:
     """The strongest embedding dimension and the relevance of every (frame, mel channel) for it."""
     with torch.no_grad():
         dimension = int(encoder(mels[None]).argmax())
