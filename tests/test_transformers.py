@@ -256,4 +256,4 @@ def test_forward_output_is_bitwise_the_plain_one():
     for name in ("llama", "gpt2", "bert"):
         model = build(name, "sdpa")
         plain = model(IDS).logits
-        assert torch.equal(relprop.LRP(model, "attnlrp").forward(IDS).logits, plain), name
+        assert torch.equal(relprop.LRP(model, "attnlrp").record(IDS).logits, plain), name

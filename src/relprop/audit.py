@@ -16,7 +16,8 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from .attribution import LRP, Target, output_relevance
+from .attribution import LRP, Inputs, Target, output_relevance
+from .composites import Composite
 
 __all__ = ["AuditRow", "Audit", "audit"]
 
@@ -67,7 +68,7 @@ class Audit:
         return "\n".join(lines)
 
 
-def audit(model: nn.Module, inputs: Tensor | Sequence[Tensor], target: Target = None, composite=None,
+def audit(model: nn.Module, inputs: Inputs, target: Target = None, composite: Composite | str | None = None,
           additional_forward_args: Any = None) -> Audit:
     """Explain once and account for every op: module path, op, rule, relevance in and out.
 
@@ -76,13 +77,13 @@ def audit(model: nn.Module, inputs: Tensor | Sequence[Tensor], target: Target = 
     """
     rows: list[AuditRow] = []
 
-    def record(call, relevance: Tensor, result) -> None:
+    def record(call: Any, relevance: Tensor, result: Sequence[Tensor | None]) -> None:
         handed = sum(r.sum().item() for r in result if r is not None)
         rows.append(AuditRow(call.module_name or "<root>", call.name, repr(call.rule), relevance.sum().item(), handed))
 
     lrp = LRP(model, composite)
     with torch.inference_mode(False):
-        explained = lrp.forward(inputs, additional_forward_args, audit=record)
+        explained = lrp.record(inputs, additional_forward_args, audit=record)
         seed = output_relevance(explained.logits, target)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # unhandled ops are rows of the table here
