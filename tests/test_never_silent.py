@@ -275,3 +275,26 @@ def test_the_guard_names_the_op_whose_rule_creates_or_breaks_relevance(rule, mes
         relprop.LRP(model, LRP0).attribute(x, target=0)
     with pytest.raises(relprop.UnsupportedOpError, match=message):
         relprop.LRP(model, LRP0, strict=True).attribute(x, target=0)
+
+
+class _ExpWeighted(nn.Module):
+    """RWKV's WKV: a stabilised exp-weighted average of the values (keys and a learned bonus in the exponent)."""
+
+    def __init__(self):
+        super().__init__()
+        self.k, self.v, self.o = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False)
+        self.bonus = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        k, v = self.k(x) + self.bonus, self.v(x)
+        weights = torch.exp(k - k.max(1, keepdim=True).values)
+        return self.o((weights * v).sum(1) / weights.sum(1))
+
+
+@pytest.mark.parametrize("preset", ["cp-lrp", "attnlrp"])
+def test_exponential_weights_take_no_relevance(preset):
+    """The values take it all; relevance sent through exp into the exponents summed to -0.87..5.07 of f."""
+    model = _ExpWeighted().double().eval()
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    relevance = relprop.LRP(model, preset).attribute(x, target=0)
+    torch.testing.assert_close(relevance.sum((1, 2)), model(x)[:, 0].detach(), rtol=1e-10, atol=0)

@@ -18,7 +18,8 @@ relevance through it. The answer is found in this order, first match wins:
    winner-take-all; the softmax rule inside the model; products of two
    activations and fused attention split uniformly, except that a factor of a
    kind in ``gate_kinds`` (a sigmoid gate, ``rsqrt`` of a variance, a
-   divisor; for CP-LRP also activations and attention weights) takes none.
+   divisor, an exponential weight; for CP-LRP also activations and attention
+   weights) takes none.
 
 A mapped rule (steps 2-4) is only used for ops of the kinds it is about
 (``rule.kinds``): a name pattern that matches a whole block gives its rule to
@@ -74,8 +75,8 @@ class Composite:
     """
 
     #: what makes a factor of a product a gate that takes no relevance: a sigmoid output, a normalising
-    #: statistic (``x * rsqrt(var)``), a divisor
-    gate_kinds: frozenset[str] = frozenset({"sigmoid", "statistic", "divisor"})
+    #: statistic (``x * rsqrt(var)``), a divisor, an exponential weight (``exp(k - max) * v``)
+    gate_kinds: frozenset[str] = frozenset({"sigmoid", "statistic", "divisor", "exp"})
 
     def __init__(self, epsilon: float = 1e-6, conv: Rule | None = None, dense: Rule | None = None,
                  first: Mapping[str, Rule] | None = None, layer_map: _TypeMap | None = None,
@@ -235,7 +236,7 @@ class CPLRP(AttnLRP):
     values and the gated signal. On a bias-free model it conserves exactly.
     """
 
-    gate_kinds = frozenset({"sigmoid", "statistic", "divisor", "activation", "softmax"})
+    gate_kinds = frozenset({"sigmoid", "statistic", "divisor", "exp", "activation", "softmax"})
 
     def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs):
         super().__init__(gamma, epsilon, **kwargs)

@@ -616,7 +616,7 @@ def _product(matrix: bool, divide: bool = False) -> Handler:
 
 #: gates whose product with a constant tensor gives the relevance to that constant (GRU's ``r * b_hn`` at the
 #: first step, an LSTM's ``f * c0``): the constant is the signal, and absorbs it
-_ABSORBING_GATES = frozenset({"sigmoid", "statistic", "divisor"})
+_ABSORBING_GATES = frozenset({"sigmoid", "statistic", "divisor", "exp"})
 
 
 def _gates_a_constant(tag: str | None, args: tuple) -> bool:
@@ -863,7 +863,7 @@ _register(_linear("norm", _group_norm), [F.group_norm])
 if hasattr(F, "rms_norm"):
     _register(_linear("norm", _rms_norm), [F.rms_norm])
 
-_ELEMENTWISE = ("exp exp2 expm1 log log1p log2 sqrt abs neg negative square reciprocal pow clamp clip "
+_ELEMENTWISE = ("expm1 log log1p log2 sqrt abs neg negative square reciprocal pow clamp clip "
                 "sin cos erf __neg__ __pow__ __abs__")
 _ACTIVATIONS = "relu tanh"
 _elementwise_pass = _elementwise()
@@ -874,9 +874,13 @@ _register(_activation, _lookup(torch, _ACTIVATIONS), _lookup(_T, _ACTIVATIONS),
 _register(_with_inplace_flag(_activation),
           _lookup(F, "relu relu6 hardtanh leaky_relu elu selu celu silu mish hardswish rrelu threshold"))
 _register(_elementwise("statistic"), _lookup(torch, "rsqrt"), _lookup(_T, "rsqrt"))
+# an exponential multiplying a signal weighs it (RWKV's stabilised exp-weighted average, a state space model's
+# decay exp(A dt)): relevance carried through exp into a log-domain argument has no reference point
+_register(_elementwise("exp"), _lookup(torch, "exp exp2"), _lookup(_T, "exp exp2"))
+_register(_in_place(_T.exp, _elementwise("exp"), keeps_input=False), _lookup(_T, "exp_"), _lookup(torch, "exp_"))
 _register(_elementwise("sigmoid"), _lookup(torch, "sigmoid"), _lookup(_T, "sigmoid"), [F.sigmoid])
 _register(_with_inplace_flag(_elementwise("sigmoid")), [F.hardsigmoid])
-for _name in "relu exp sqrt rsqrt abs neg reciprocal pow clamp clip tanh".split():
+for _name in "relu sqrt rsqrt abs neg reciprocal pow clamp clip tanh".split():
     _register(_in_place(getattr(_T, _name), _elementwise_pass, keeps_input=False),
               _lookup(_T, f"{_name}_"), _lookup(torch, f"{_name}_"))
 _register(_in_place(_T.sigmoid, _elementwise("sigmoid"), keeps_input=False),
