@@ -51,6 +51,15 @@ class Audit:
         return sum(row.absorbed for row in self.rows)
 
     @property
+    def unaccounted(self) -> float:
+        """``seed - inputs - absorbed``: relevance created or lost where no op's row shows it.
+
+        0 up to rounding when every op that changes the total is a row; anything
+        else means relevance left the tracked graph unseen (a bug to report).
+        """
+        return self.seed_total - self.input_total - self.absorbed_total
+
+    @property
     def unhandled(self) -> list[AuditRow]:
         """Ops that relevance reached without a rule (their plain gradient was used)."""
         return [row for row in self.rows if row.rule == "none"]
@@ -64,7 +73,8 @@ class Audit:
                          f"{row.relevance_in:12.5g} {row.relevance_out:12.5g} {share:9.2%}")
         lines.append("-" * len(header))
         lines.append(f"seed {self.seed_total:.6g}  inputs {self.input_total:.6g}  absorbed by ops "
-                     f"{self.absorbed_total:.6g}  ops without a rule: {len(self.unhandled)}")
+                     f"{self.absorbed_total:.6g}  unaccounted {self.unaccounted:.3g}  ops without a rule: "
+                     f"{len(self.unhandled)}")
         return "\n".join(lines)
 
 
