@@ -35,3 +35,22 @@ def test_the_docs_have_examples():
 def test_block_runs(name: str, source: str):
     # compiled with the file and line in the name, so that a failing assert points into the document
     exec(compile(source, name, "exec"), {"__name__": f"docs_{name}"})
+
+
+SECTIONS = {
+    1: "Semantics", 2: "Rules for linear maps", 3: "Op families", 4: "Composites and presets", 5: "Transformers",
+    6: "Checks that hold for any correct implementation", 7: "Mechanism",
+}
+#: a citation of docs/design.md by section number ("design.md section 4", "design.md, section 4")
+_CITATION = re.compile(r"design\.md,? sections? (\w+)")
+
+
+def test_design_sections_that_the_code_cites_exist():
+    """The code, the tests and the docs cite docs/design.md by section number: the numbers must stay put."""
+    text = (DOCS / "design.md").read_text(encoding="utf-8")
+    found = {int(number): title for number, title in re.findall(r"^## (\d+)\. (.+)$", text, re.MULTILINE)}
+    assert found == SECTIONS
+    root = DOCS.parent
+    for path in [*root.glob("src/relprop/*.py"), *root.glob("tests/*.py"), *DOCS.glob("*.md"), root / "README.md"]:
+        for cited in _CITATION.findall(path.read_text(encoding="utf-8")) if path.exists() else ():
+            assert cited.isdigit() and int(cited) in found, f"{path.relative_to(root)} cites section {cited!r}"
