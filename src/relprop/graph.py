@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 if TYPE_CHECKING:
     from .rules import Rule
@@ -433,6 +433,11 @@ class ParametricCall(OpCall):
             scale, shift = self._batch_norm
             self._merged_bias = shift if self._bias is None else self._bias * scale + shift
         return self._merged_bias
+
+    @overload
+    def weight_parts(self, negative: Literal[True]) -> tuple[Tensor, Tensor]: ...
+    @overload
+    def weight_parts(self, negative: Literal[False]) -> tuple[Tensor, None]: ...
 
     def weight_parts(self, negative: bool) -> tuple[Tensor, Tensor | None]:
         """``W+`` and, if ``negative``, ``W-`` of :attr:`weight`.
