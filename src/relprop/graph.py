@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 
 import torch
 from torch import Tensor
@@ -25,7 +25,7 @@ __all__ = ["OpCall", "ParametricCall", "InPlaceSumCall", "Workspace", "is_activa
            "substitute", "is_relevance_node", "model_input", "routed_image"]
 
 
-def is_activation(value: Any) -> bool:
+def is_activation(value: Any) -> TypeGuard[Tensor]:
     """An activation: a tensor derived from a model input. Parameters are constants."""
     # isinstance(value, Parameter) in two cheap steps (it runs for every argument of every op): the type, and
     # the flag by which Parameter's own instance check also accepts tensor subclasses
