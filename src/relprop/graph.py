@@ -172,7 +172,7 @@ class OpCall:
         self._leaves = leaves
         #: the inputs' version counters once the op has run (see :meth:`check_inputs`)
         self.versions: tuple[int, ...] = ()
-        #: None once the rule no longer needs it (see :meth:`settle`); rules that read it say so (``needs_output``)
+        #: set by :func:`propagate`; None again once no rule reads it (:meth:`settle`, :meth:`take_output`)
         self.output: Tensor = None  # type: ignore[assignment]
         #: whether an in-place ReLU has since overwritten the output in its memory: it holds relu(z) >= 0
         self.output_nonnegative = False
