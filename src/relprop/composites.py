@@ -35,11 +35,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
 from . import rules
 from .rules import Rule
+
+if TYPE_CHECKING:
+    from .graph import OpCall
 
 __all__ = [
     "Composite", "Epsilon", "EpsilonPlus", "EpsilonPlusFlat", "EpsilonAlpha2Beta1", "EpsilonAlpha2Beta1Flat",
@@ -50,7 +54,7 @@ _TypeMap = Mapping[type | tuple[type, ...], Rule] | Iterable[tuple[type | tuple[
 _NameMap = Mapping[str, Rule] | Iterable[tuple[str, Rule]]
 
 
-def _pairs(mapping) -> list[tuple]:
+def _pairs(mapping: Mapping | Iterable | None) -> list[tuple]:
     if mapping is None:
         return []
     return list(mapping.items()) if isinstance(mapping, Mapping) else list(mapping)
@@ -100,7 +104,7 @@ class Composite:
         rule = getattr(module, "rule", None)
         return rule if isinstance(rule, Rule) else None
 
-    def rule_for(self, call, module: nn.Module | None, name: str) -> tuple[Rule | None, str]:
+    def rule_for(self, call: OpCall, module: nn.Module | None, name: str) -> tuple[Rule | None, str]:
         """The rule for ``call``, issued by ``module`` at path ``name``, and where it came from.
 
         None means winner-take-all (the plain gradient). The engine checks
@@ -121,7 +125,8 @@ class Composite:
                 return rule, f"layer_map entry for {types}"
         return self.default(call), "default"
 
-    def default(self, call) -> Rule | None:
+    def default(self, call: OpCall) -> Rule | None:
+
         """The rule an op gets when nothing is mapped to it."""
         kind = call.kind
         if kind == "conv":
@@ -149,21 +154,21 @@ class Composite:
 class Epsilon(Composite):
     """Epsilon on every linear op (preset ``epsilon``); ``Epsilon(0)`` is LRP-0 everywhere."""
 
-    def __init__(self, epsilon: float = 1e-6, **kwargs):
+    def __init__(self, epsilon: float = 1e-6, **kwargs: Any) -> None:
         super().__init__(epsilon, **kwargs)
 
 
 class EpsilonPlus(Composite):
     """ZPlus on convolutions, Epsilon on dense layers (zennit's ``epsilon_plus``)."""
 
-    def __init__(self, epsilon: float = 1e-6, **kwargs):
+    def __init__(self, epsilon: float = 1e-6, **kwargs: Any) -> None:
         super().__init__(epsilon, conv=rules.ZPlus(stabilizer=epsilon), dense=rules.Epsilon(epsilon), **kwargs)
 
 
 class EpsilonPlusFlat(Composite):
     """Flat on the first layer, ZPlus on convolutions, Epsilon on dense layers (``epsilon_plus_flat``)."""
 
-    def __init__(self, epsilon: float = 1e-6, **kwargs):
+    def __init__(self, epsilon: float = 1e-6, **kwargs: Any) -> None:
         flat = rules.Flat(stabilizer=epsilon)
         super().__init__(epsilon, conv=rules.ZPlus(stabilizer=epsilon), dense=rules.Epsilon(epsilon),
                          first={"conv": flat, "dense": flat}, **kwargs)
@@ -172,7 +177,7 @@ class EpsilonPlusFlat(Composite):
 class EpsilonAlpha2Beta1(Composite):
     """AlphaBeta(2, 1) on convolutions, Epsilon on dense layers (``epsilon_alpha2_beta1``)."""
 
-    def __init__(self, epsilon: float = 1e-6, **kwargs):
+    def __init__(self, epsilon: float = 1e-6, **kwargs: Any) -> None:
         super().__init__(epsilon, conv=rules.AlphaBeta(2.0, 1.0, stabilizer=epsilon), dense=rules.Epsilon(epsilon),
                          **kwargs)
 
@@ -180,7 +185,7 @@ class EpsilonAlpha2Beta1(Composite):
 class EpsilonAlpha2Beta1Flat(Composite):
     """Flat on the first layer, AlphaBeta(2, 1) on convolutions, Epsilon on dense layers."""
 
-    def __init__(self, epsilon: float = 1e-6, **kwargs):
+    def __init__(self, epsilon: float = 1e-6, **kwargs: Any) -> None:
         flat = rules.Flat(stabilizer=epsilon)
         super().__init__(epsilon, conv=rules.AlphaBeta(2.0, 1.0, stabilizer=epsilon), dense=rules.Epsilon(epsilon),
                          first={"conv": flat, "dense": flat}, **kwargs)
@@ -199,7 +204,7 @@ class EpsilonGammaBox(Composite):
     """
 
     def __init__(self, low: float | Tensor, high: float | Tensor, epsilon: float = 1e-6, gamma: float = 0.25,
-                 **kwargs):
+                 **kwargs: Any) -> None:
         self.low, self.high, self.gamma = low, high, gamma
         super().__init__(epsilon, conv=rules.Gamma(gamma, stabilizer=epsilon), dense=rules.Epsilon(epsilon),
                          first={"conv": rules.ZBox(low, high, stabilizer=epsilon)}, **kwargs)
@@ -222,7 +227,7 @@ class AttnLRP(Composite):
         Stabiliser of products and sums; 0 gives exact LRP-0 (divisions by 0 give 0).
     """
 
-    def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs):
+    def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs: Any) -> None:
         linear = rules.Gamma(gamma, stabilizer=epsilon) if gamma is not None else rules.Epsilon(epsilon)
         self.gamma = gamma
         super().__init__(epsilon, conv=linear, dense=linear, **kwargs)
@@ -238,7 +243,7 @@ class CPLRP(AttnLRP):
 
     gate_kinds = frozenset({"sigmoid", "statistic", "divisor", "exp", "activation", "softmax"})
 
-    def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs):
+    def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs: Any) -> None:
         super().__init__(gamma, epsilon, **kwargs)
         self.attention = self._gated
 
@@ -256,7 +261,7 @@ PRESETS: dict[str, type[Composite]] = {
 }
 
 
-def get(composite: Composite | str | None, **kwargs) -> Composite:
+def get(composite: Composite | str | None, **kwargs: Any) -> Composite:
     """A composite from an instance, a preset name (``"epsilon-plus"``; ``_`` works too) or None (epsilon)."""
     if composite is None:
         return Epsilon(**kwargs)

@@ -16,9 +16,9 @@ import re
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import rules
 from .graph import OpCall, Workspace, is_activation, model_input, propagate, tap, watch
 from .ops import ALWAYS_HANDLED, HANDLERS, aliases, from_aten, has_activation, has_parameter, op_name
+
+if TYPE_CHECKING:
+    from .composites import Composite
 
 __all__ = ["Session", "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning"]
 
@@ -74,7 +77,8 @@ def _is_activation_module(module: nn.Module) -> bool:
 
     Recognised by name, and only if they are leaves without parameters (not ``Conv2dNormActivation``).
     """
-    return (_is_activation_class(type(module)) and not module._modules and not module._parameters)
+    return (_is_activation_class(type(module))  # type: ignore[arg-type]  # nn.Module's __hash__ stub
+            and not module._modules and not module._parameters)
 
 
 class _Unhandled(rules.Gradient):
@@ -83,7 +87,7 @@ class _Unhandled(rules.Gradient):
     def __init__(self, session: "Session"):
         self._session = session
 
-    def propagate(self, call, relevance):
+    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
         self._session.report(call.describe(), relevance)
         return super().propagate(call, relevance)
 
@@ -141,7 +145,8 @@ class Session(TorchFunctionMode):
         relevance where it should conserve it (:class:`ConservationWarning`).
     """
 
-    def __init__(self, model: nn.Module, composite, strict: bool = False, taps=None, audit=None,
+    def __init__(self, model: nn.Module, composite: Composite, strict: bool = False,
+                 taps: Mapping[nn.Module, Any] | None = None, audit: Callable[..., None] | None = None,
                  token_inputs: tuple[Tensor, ...] = (), guard: bool = True):
         super().__init__()
         self.composite = composite
@@ -185,7 +190,7 @@ class Session(TorchFunctionMode):
         module = self.module
         return self._names.get(module, "") if module is not None else ""
 
-    def module_rule(self):
+    def module_rule(self) -> rules.Rule | None:
         """The rule set on the innermost module as ``module.rule``, if any."""
         return self.composite.own_rule(self.module)
 
@@ -236,7 +241,7 @@ class Session(TorchFunctionMode):
                 return leaf.clone()  # not the leaf itself, so that in-place ops on the embeddings are allowed
         return vectors
 
-    def tap(self, value: Any, record) -> Any:
+    def tap(self, value: Any, record: Any) -> Any:
         """Put a tap node on ``value`` that hands the relevance reaching it to ``record``.
 
         ``record.below`` is set to the tapped tensor, the start of the graph
@@ -314,10 +319,11 @@ class Session(TorchFunctionMode):
         """The composite's rule for ``call`` in the current module, and where it came from."""
         return self.composite.rule_for(call, self.module, self.module_name)
 
-    def run(self, call: OpCall, rule=None, source: str = "inherited from the merged layer") -> Any:
+    def run(self, call: OpCall, rule: rules.Rule | None = None, source: str = "inherited from the merged layer") -> Any:
         """Run ``call`` as a relevance node with its rule (``rule``, from ``source``, or the composite's choice)."""
         if rule is None:
             rule, source = self.rule_for(call)
+        zeroed: tuple[OpCall, ...]
         zeroed = ()  # entries an in-place ReLU set to 0 among the inputs: of interest unless they get no relevance
         if self.zeroed and not getattr(rule, "zero_for_zero_input", False):  # (rule None: winner-take-all)
             zeroed = self.zeroed_in(call.activations)
@@ -337,12 +343,12 @@ class Session(TorchFunctionMode):
         self.producers[out] = call
         reader = weakref.ref(call)
         for x in call.inputs:
-            self._readers.setdefault(torch._C._storage_address(x), []).append(reader)
+            self._readers.setdefault(torch._C._storage_address(x), []).append(reader)  # type: ignore[attr-defined]
         return out
 
     def before_write(self, target: Tensor) -> None:
         """``target``, an activation, is about to be overwritten in place: the ops that read it keep copies."""
-        for reader in self._readers.pop(torch._C._storage_address(target), ()):
+        for reader in self._readers.pop(torch._C._storage_address(target), ()):  # type: ignore[attr-defined]
             call = reader()
             if call is not None:
                 call.keep_inputs_from(target)
@@ -359,7 +365,7 @@ class Session(TorchFunctionMode):
         if not self._totals:  # the first op of this backward pass: check them all when it ends
             torch.autograd.Variable._execution_engine.queue_callback(self._check)
         # stacked now, checked at the end: one synchronisation per backward pass on a GPU, not one per op
-        self._totals.append((call, conserves, torch.stack(totals).double()))
+        self._totals.append((call, conserves, torch.stack(totals).double()))  # type: ignore[arg-type]
 
     def _check(self) -> None:
         """Report the ops of the backward pass that made NaN or infinite relevance, or broke conservation."""
@@ -419,7 +425,7 @@ class Session(TorchFunctionMode):
         for producer in zeroed:
             producer.restore_output()
 
-    def unknown(self, func, args: tuple, kwargs: dict) -> Any:
+    def unknown(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """An op without a rule: its plain gradient, reported if relevance flows through it."""
         call = OpCall("unknown", func, args, kwargs, op_name(func), self.module_name)
         with torch.enable_grad():
@@ -445,7 +451,7 @@ class Session(TorchFunctionMode):
 
     # ------------------------------------------------------------ the mode
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         handler = HANDLERS.get(func)
         if handler is None and (resolved := from_aten(func, args, kwargs)) is not None:
@@ -465,7 +471,7 @@ class Session(TorchFunctionMode):
             return handler(self, func, args, kwargs)
         except Exception as error:
             if not getattr(error, "_relprop_noted", False):
-                error._relprop_noted = True
+                error._relprop_noted = True  # type: ignore[attr-defined]
                 error.add_note(f"relprop: raised by {op_name(func)} in module '{self.module_name or '<root>'}' "
                                "during the attribution forward pass")
             raise

@@ -11,18 +11,21 @@ in the backward pass.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+if TYPE_CHECKING:
+    from .rules import Rule
+
 __all__ = ["OpCall", "ParametricCall", "InPlaceSumCall", "Workspace", "is_activation", "propagate", "watch", "tap",
            "substitute", "is_relevance_node", "model_input", "routed_image"]
 
 
-def is_activation(value: Any) -> bool:
+def is_activation(value: Any) -> TypeGuard[Tensor]:
     """An activation: a tensor derived from a model input. Parameters are constants."""
     # isinstance(value, Parameter) in two cheap steps (it runs for every argument of every op): the type, and
     # the flag by which Parameter's own instance check also accepts tensor subclasses
@@ -45,7 +48,7 @@ def model_input(x: Tensor) -> Tensor | None:
     """
     if x.grad_fn is None:
         return x if is_activation(x) else None
-    stack, seen, found = [x.grad_fn], set(), None
+    stack, seen, found = [x.grad_fn], set[int](), None
     while stack:
         node = stack.pop()
         if is_relevance_node(node) or len(seen) > _INPUT_SEARCH:
@@ -60,7 +63,7 @@ def model_input(x: Tensor) -> Tensor | None:
     return found
 
 
-def routed_image(x: Tensor, image: Tensor) -> Tensor | None:
+def routed_image(x: Tensor, image: float | Tensor) -> Tensor | None:
     """``image``, in the space of the model input ``x`` is made from, taken through the same routing ops.
 
     The routing ops between the input and ``x`` are a linear map ``J`` (a
@@ -97,7 +100,7 @@ def _storage_count(tensor: Tensor) -> int:
     autograd then adds every gradient that arrives after a relevance in that
     memory into a new tensor instead of into it.
     """
-    return torch._C._storage_Use_Count(torch._C._storage_address(tensor))
+    return torch._C._storage_Use_Count(torch._C._storage_address(tensor))  # type: ignore[attr-defined]
 
 
 @functools.cache
@@ -132,6 +135,16 @@ class OpCall:
         should use (e.g. layer norm with its statistic detached).
     """
 
+    # set by the op families (relprop.ops) and rules on calls of some kinds; declared here for type checkers
+    is_first: bool
+    factors: tuple[str | None, ...]
+    gates: tuple[bool, ...]
+    matrix: bool
+    dim: int
+    output_dim: int
+    inverse: Tensor
+    average: Callable[[Tensor], Tensor]
+
     def __init__(self, kind: str, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str,
                  linearised: Callable | None = None):
         self.kind = kind
@@ -142,15 +155,15 @@ class OpCall:
         self.overwrites: OpCall | None = None
         self.name = name
         self.module_name = module_name
-        self.rule = None
+        self.rule: Rule = None  # type: ignore[assignment]  # set by propagate() before the op runs
         #: called as ``audit(call, relevance, input_relevances)`` after each propagation, if set
         self.audit: Callable | None = None
         self._linearised = linearised or func
         if any(isinstance(a, _CONTAINERS) and _holds_activation(a) for a in args) or _holds_activation(kwargs):
             leaves, self._spec = tree_flatten((args, kwargs))
-            self._constants = {}
+            self._constants: dict = {}
         else:  # the common case, activations among the positional arguments only: no pytree needed
-            leaves, self._spec, self._constants = list(args), None, kwargs
+            leaves, self._spec, self._constants = list(args), None, kwargs  # type: ignore[assignment]
         self._slots = [i for i, leaf in enumerate(leaves) if is_activation(leaf)]
         self._outer: tuple[Tensor, ...] | None = tuple(leaves[i] for i in self._slots)
         self.inputs: tuple[Tensor, ...] = tuple(x.detach() for x in self._outer)
@@ -159,7 +172,8 @@ class OpCall:
         self._leaves = leaves
         #: the inputs' version counters once the op has run (see :meth:`check_inputs`)
         self.versions: tuple[int, ...] = ()
-        self.output: Tensor | None = None
+        #: set by :func:`propagate`; None again once no rule reads it (:meth:`settle`, :meth:`take_output`)
+        self.output: Tensor = None  # type: ignore[assignment]
         #: whether an in-place ReLU has since overwritten the output in its memory: it holds relu(z) >= 0
         self.output_nonnegative = False
         #: indices of :attr:`inputs` that are copies read by the rule alone: it may write into them
@@ -184,7 +198,7 @@ class OpCall:
         """
         self._outer = None
 
-    def _call(self, func: Callable, inputs) -> Tensor:
+    def _call(self, func: Callable, inputs: Sequence[Tensor]) -> Tensor:
         leaves = list(self._leaves)
         for slot, value in zip(self._slots, inputs):
             leaves[slot] = value
@@ -204,7 +218,8 @@ class OpCall:
         if self.inputs is None:  # the backward pass went through this op already
             return
         kept = [i for i, x in enumerate(self.inputs)
-                if torch._C._is_alias_of(x, target) and not (self.in_place and i == 0)]
+                if torch._C._is_alias_of(x, target)  # type: ignore[attr-defined]
+                and not (self.in_place and i == 0)]
         if not kept:
             return
         inputs = list(self.inputs)
@@ -256,7 +271,7 @@ class OpCall:
 
     def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
         """Vector-Jacobian product of the op with respect to :attr:`inputs`."""
-        leaves, out = self._graph
+        leaves, out = self._graph  # type: ignore[misc]  # kept by run() for rules that need the VJP
         return torch.autograd.grad(out, leaves, grad, allow_unused=True)
 
     def take_output(self) -> Tensor | None:
@@ -275,7 +290,7 @@ class OpCall:
         lone = _lone_storage_count()
         if self.output is None or lone is None or _storage_count(self.output) != lone:
             return None
-        output, self.output = self.output, None
+        output, self.output = self.output, None  # type: ignore[assignment]
         return output
 
     def restore_output(self) -> None:
@@ -306,18 +321,18 @@ class OpCall:
 
     def finish(self) -> None:
         """After the backward pass through this op: free what it kept, as autograd frees saved tensors."""
-        self.inputs = None
-        self.output = None
+        self.inputs = None  # type: ignore[assignment]
+        self.output = None  # type: ignore[assignment]
         self._graph = None
         # the arguments hold the inputs too, and the call lives as long as the autograd graph: to its end
-        self._leaves = self._outer = None
+        self._leaves = self._outer = None  # type: ignore[assignment]
         self.overwrites = None
         self.__dict__.pop("inverse", None)
 
     def settle(self) -> None:
         """Drop the output once nothing will read it: it would keep an activation alive until the backward pass."""
         if not self.rule.needs_output and (self._prepared or not self.rule.prepares):
-            self.output = None
+            self.output = None  # type: ignore[assignment]
 
     def protect(self, copy: Tensor | None = None) -> None:
         """Before user code modifies the output in place: prepare now, and copy it if the rule reads it later.
@@ -353,7 +368,7 @@ class Workspace:
     attribution on ResNet50 (``benchmarks/README.md``).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def like(self, tensor: Tensor, shape: list[int] | torch.Size | None = None) -> Tensor:
@@ -382,9 +397,10 @@ class ParametricCall(OpCall):
     :meth:`stack_signs`).
     """
 
-    def __init__(self, kind, func, args, kwargs, name, module_name, weight: Tensor, bias: Tensor | None,
+    def __init__(self, kind: str, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str,
+                 weight: Tensor, bias: Tensor | None,
                  evaluate: Callable[[Tensor, Tensor, Tensor | None], Tensor], channel_dim: int | None,
-                 transpose: Callable[[Tensor], Tensor] | None, workspace: Workspace):
+                 transpose: Callable[..., Tensor] | None, workspace: Workspace):
         super().__init__(kind, func, args, kwargs, name, module_name)
         self.evaluate = evaluate
         self.workspace = workspace
@@ -417,6 +433,11 @@ class ParametricCall(OpCall):
             scale, shift = self._batch_norm
             self._merged_bias = shift if self._bias is None else self._bias * scale + shift
         return self._merged_bias
+
+    @overload
+    def weight_parts(self, negative: Literal[True]) -> tuple[Tensor, Tensor]: ...
+    @overload
+    def weight_parts(self, negative: Literal[False]) -> tuple[Tensor, None]: ...
 
     def weight_parts(self, negative: bool) -> tuple[Tensor, Tensor | None]:
         """``W+`` and, if ``negative``, ``W-`` of :attr:`weight`.
@@ -451,8 +472,8 @@ class ParametricCall(OpCall):
     def _merge_weight(self, out: Tensor | None = None) -> Tensor:
         """The weight with the merged BatchNorm's scale on its output channels, in ``out`` or a new tensor."""
         shape = [1] * self._weight.dim()
-        shape[self._channel_dim] = -1
-        return torch.mul(self._weight, self._batch_norm[0].reshape(shape), out=out)
+        shape[self._channel_dim] = -1  # type: ignore[index]  # a merged BatchNorm's op has its channel dimension
+        return torch.mul(self._weight, self._batch_norm[0].reshape(shape), out=out)  # type: ignore[index]
 
     def scale_input_channels(self, weight: Tensor, scale: Tensor) -> Tensor | None:
         """``weight`` (shaped like :attr:`weight`) multiplied in place by ``scale``, one factor per input channel.
@@ -514,9 +535,9 @@ class ParametricCall(OpCall):
         """
         x = self.inputs[0]
         axis, like = self._stacked_input(x)
-        stacked = torch.cat([self.weight, weight], self._input_channel_dim(x.shape[axis]))
+        stacked = torch.cat([self.weight, weight], self._input_channel_dim(x.shape[axis]))  # type: ignore[arg-type]
         # the kernel reads the shape of `like` alone: memory never written is never faulted in
-        return self.transpose_with(grad, stacked, like=like).chunk(2, axis)
+        return self.transpose_with(grad, stacked, like=like).chunk(2, axis)  # type: ignore[return-value]
 
     def _stacked_input(self, x: Tensor) -> tuple[int, Tensor]:
         """The axis of ``x``'s channels, and an uninitialised input like ``x`` with twice as many channels."""
@@ -544,7 +565,7 @@ class ParametricCall(OpCall):
 
     def bias_term(self) -> Tensor:
         """The bias, shaped to broadcast against the output."""
-        return self._output_shape(self.bias)
+        return self._output_shape(self.bias)  # type: ignore[arg-type]  # called where there is a bias
 
     def _needs_graph(self) -> bool:
         return self._transpose is None and super()._needs_graph()
@@ -575,11 +596,11 @@ class ParametricCall(OpCall):
         if self._graph is not None:
             return super().vjp(grad)
         if self._batch_norm is None:
-            return (self._transpose(grad),)
+            return (self._transpose(grad),)  # type: ignore[misc]  # no graph kept: the op is transposable
         # the merged BatchNorm's scale goes onto the weight or onto the relevance, whichever is smaller
         if self._weight.numel() < grad.numel():
-            return (self._transpose(grad, self.weight),)
-        return (self._transpose(grad * self._output_shape(self._batch_norm[0])),)
+            return (self._transpose(grad, self.weight),)  # type: ignore[misc]
+        return (self._transpose(grad * self._output_shape(self._batch_norm[0])),)  # type: ignore[misc]
 
     @property
     def transposable(self) -> bool:
@@ -592,7 +613,7 @@ class ParametricCall(OpCall):
         ``like``: an input of the shape the op with ``weight`` takes, where that is not the shape of :attr:`inputs`
         (a stacked weight, see :meth:`stack_signs`).
         """
-        return self._transpose(grad, weight, like)
+        return self._transpose(grad, weight, like)  # type: ignore[misc]  # rules check transposable first
 
     def merge_batch_norm(self, batch_norm: Callable[[Tensor], Tensor], scale: Tensor, shift: Tensor,
                          output: Tensor) -> "ParametricCall":
@@ -631,8 +652,8 @@ class InPlaceSumCall(OpCall):
     read the same copy (see :meth:`OpCall.protect`).
     """
 
-    def __init__(self, func, args, kwargs, name, module_name, before: Tensor, alpha: float,
-                 producer: OpCall | None):
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str, before: Tensor,
+                 alpha: float, producer: OpCall | None):
         super().__init__("sum", func, args, kwargs, name, module_name)
         self.in_place = True
         self.inputs = (before, *self.inputs[1:])
@@ -669,7 +690,7 @@ class _Propagate(torch.autograd.Function):
     """Autograd node of one op call: original op forward, rule backward."""
 
     @staticmethod
-    def forward(ctx, call: OpCall, *activations: Tensor) -> Tensor:
+    def forward(ctx: Any, call: OpCall, *activations: Tensor) -> Tensor:
         ctx.call = call
         ctx.set_materialize_grads(False)  # no relevance arriving stays None: nothing to propagate or report
         out = call.run()
@@ -678,7 +699,7 @@ class _Propagate(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, relevance: Tensor | None):
+    def backward(ctx: Any, relevance: Tensor | None) -> tuple[Tensor | None, ...]:
         call = ctx.call
         if call.inputs is None:
             raise RuntimeError("relprop: relevance crosses a recorded forward pass once; run the forward again")
@@ -693,7 +714,7 @@ class _Propagate(torch.autograd.Function):
         return (None, *result)
 
 
-def propagate(call: OpCall, rule) -> Tensor:
+def propagate(call: OpCall, rule: Rule) -> Tensor:
     """Run ``call`` as a relevance node with ``rule``; returns the (bitwise original) output."""
     call.rule = rule
     out = _Propagate.apply(call, *call.activations)
@@ -713,13 +734,13 @@ class _WriteInto(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, target: Tensor, result: Tensor) -> Tensor:
+    def forward(ctx: Any, target: Tensor, result: Tensor) -> Tensor:
         ctx.set_materialize_grads(False)
         ctx.mark_dirty(target)
         return target.copy_(result)
 
     @staticmethod
-    def backward(ctx, relevance: Tensor | None):
+    def backward(ctx: Any, relevance: Tensor | None) -> tuple[None, Tensor | None]:
         return None, relevance
 
 
@@ -732,12 +753,12 @@ class _Watch(torch.autograd.Function):
     """Identity on the output of an op without a rule; reports it if relevance flows through."""
 
     @staticmethod
-    def forward(ctx, report: Callable[[Tensor], None], value: Tensor) -> Tensor:
+    def forward(ctx: Any, report: Callable[[Tensor], None], value: Tensor) -> Tensor:
         ctx.report = report
         return value.clone()
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
         ctx.report(grad)
         return None, grad
 
@@ -757,12 +778,12 @@ class _Tap(torch.autograd.Function):
     """Identity that hands the relevance passing through it to ``record``."""
 
     @staticmethod
-    def forward(ctx, record: Callable[[Tensor], None], value: Tensor) -> Tensor:
+    def forward(ctx: Any, record: Callable[[Tensor], None], value: Tensor) -> Tensor:
         ctx.record = record
         return value.clone()  # a fresh tensor, so that later in-place ops on it are allowed
 
     @staticmethod
-    def backward(ctx, relevance: Tensor):
+    def backward(ctx: Any, relevance: Tensor) -> tuple[None, Tensor]:
         ctx.record(relevance)
         return None, relevance
 
@@ -771,11 +792,11 @@ class _Substitute(torch.autograd.Function):
     """``value`` in the forward pass, ``source``'s graph in the backward pass."""
 
     @staticmethod
-    def forward(ctx, value: Tensor, source: Tensor) -> Tensor:
+    def forward(ctx: Any, value: Tensor, source: Tensor) -> Tensor:
         return value.clone()
 
     @staticmethod
-    def backward(ctx, relevance: Tensor):
+    def backward(ctx: Any, relevance: Tensor) -> tuple[None, Tensor]:
         return None, relevance
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from torch import Tensor
 from .graph import InPlaceSumCall, OpCall, ParametricCall, is_activation, substitute, write_into
 from .recurrent import RECURRENT_HANDLERS
 from .rules import Gradient, Pass, inverse_denominator
+
+if TYPE_CHECKING:
+    from .engine import Session
 
 __all__ = ["HANDLERS", "ALWAYS_HANDLED", "aliases", "from_aten", "has_activation", "has_parameter", "op_name"]
 
@@ -74,7 +77,7 @@ def _parameters(func: Callable) -> tuple[tuple[str, ...], tuple[str, ...], froze
 
     None if ``func`` takes ``*args`` or ``**kwargs``.
     """
-    parameters = _signature(func).parameters.values()
+    parameters = _signature(func).parameters.values()  # type: ignore[union-attr]
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
         return None
     return (tuple(p.name for p in parameters),
@@ -94,14 +97,14 @@ def _bind(func: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
             values = {**defaults, **dict(zip(given, args)), **kwargs}
             if len(values) == len(names):  # every parameter has a value
                 return {name: values[name] for name in names}
-    bound = _signature(func).bind(*args, **kwargs)  # raises the usual TypeError on bad arguments
+    bound = _signature(func).bind(*args, **kwargs)  # type: ignore[union-attr]  # raises TypeError on bad arguments
     bound.apply_defaults()
     return dict(bound.arguments)
 
 
 # ---------------------------------------------------------------- routing
 
-def _run(session, func, args, kwargs):
+def _run(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Routing ops and constants: the plain gradient re-routes relevance exactly.
 
     A tag of the first argument (gate, attention weights) carries over: a
@@ -119,7 +122,7 @@ def _run(session, func, args, kwargs):
 _ROUTES = Gradient()
 
 
-def _combine(session, func, args, kwargs):
+def _combine(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
     """``cat``, ``stack``, ``where``: routing, but as a node with its rule where constant tensors are mixed in.
 
     The relevance of a learned token concatenated to the activations (a
@@ -134,7 +137,7 @@ def _combine(session, func, args, kwargs):
                        "routing with constants")
 
 
-def _tag(session, out: Any, tag: str) -> None:
+def _tag(session: Session, out: Any, tag: str) -> None:
     """Tag ``out`` (a tensor, or the tensors of a ``chunk``/``split`` result) with ``tag``."""
     if isinstance(out, Tensor):
         if out.requires_grad:
@@ -144,7 +147,7 @@ def _tag(session, out: Any, tag: str) -> None:
             _tag(session, value, tag)
 
 
-def _run_in_place(session, func, args, kwargs):
+def _run_in_place(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
     """In-place routing (``x[i] = v``, ``masked_fill_``): first keep what rules saved of the target."""
     session.protect(args[0])
     out = func(*args, **kwargs)
@@ -153,7 +156,7 @@ def _run_in_place(session, func, args, kwargs):
     return out
 
 
-def _scatter_reduce(session, func, args, kwargs):
+def _scatter_reduce(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
     """``scatter_reduce``: a sum for ``"sum"`` and ``"mean"``, winner-take-all (routing) for ``"amax"``/``"amin"``."""
     reduce = _bind_builtin(("input", "dim", "index", "src", "reduce"), args, kwargs).get("reduce")
     if reduce in ("sum", "mean"):
@@ -165,7 +168,7 @@ def _scatter_reduce(session, func, args, kwargs):
 
 def _index_put(routing: Handler) -> Handler:
     """``index_put``: routing, unless it adds the values to the entries (``accumulate=True``): then a sum."""
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         if not _bind_builtin(("input", "indices", "values", "accumulate"), args, kwargs).get("accumulate", False):
             return routing(session, func, args, kwargs)
         if routing is _run:
@@ -176,7 +179,7 @@ def _index_put(routing: Handler) -> Handler:
 
 # ---------------------------------------------------------------- in place
 
-def _protect_before(session, func, target: Tensor) -> None:
+def _protect_before(session: Session, func: Callable, target: Tensor) -> None:
     """Let the op that produced ``target`` keep what it needs before ``func`` overwrites it in place.
 
     An in-place ReLU needs nothing kept: it changes only entries it sets to 0,
@@ -192,7 +195,7 @@ def _protect_before(session, func, target: Tensor) -> None:
         session.before_write(target)
 
 
-def _in_place_pass(session, func, args, kwargs, handler: Handler) -> Tensor | None:
+def _in_place_pass(session: Session, func: Callable, args: tuple, kwargs: dict, handler: Handler) -> Tensor | None:
     """Run an elementwise in-place op as it is, when its rule passes relevance through; else None.
 
     The rule then reads nothing but the input's shape, so the op may overwrite
@@ -228,7 +231,7 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
     ignore the result. Other arguments that share the target's memory
     (``x.add_(x)``) would change with it: the rule reads copies of them.
     """
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         target = args[0]
         if keeps_input:  # one copy serves this op's rule and the target's producer
             source = target.clone()
@@ -247,7 +250,7 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
 def aliases(value: Any, target: Tensor) -> bool:
     """Whether ``value`` is a tensor in ``target``'s memory (``target`` itself, or a view of it)."""
     # not by their storage objects: made once, one lives as long as the memory (see graph._storage_count)
-    return isinstance(value, Tensor) and torch._C._is_alias_of(value, target)
+    return isinstance(value, Tensor) and torch._C._is_alias_of(value, target)  # type: ignore[attr-defined]
 
 
 def _in_place_sum(out_of_place: Callable, sign: int) -> Handler:
@@ -261,7 +264,7 @@ def _in_place_sum(out_of_place: Callable, sign: int) -> Handler:
     """
     general = _in_place(out_of_place, _sum)
 
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         bound = _bind_builtin(("input", "other"), args, kwargs)
         target, other = bound.get("input"), bound.get("other")
         if not (is_activation(target) and target._base is None and isinstance(other, Tensor)
@@ -280,7 +283,7 @@ def _in_place_sum(out_of_place: Callable, sign: int) -> Handler:
 
 def _with_inplace_flag(handler: Handler) -> Handler:
     """Functional ops with an ``inplace=`` argument (``F.relu(x, inplace=True)``)."""
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         bound = _bind(func, args, kwargs)
         if not bound.get("inplace", False):
             return handler(session, func, args, kwargs)
@@ -307,7 +310,7 @@ def _conv_vjp(x: Tensor, weight: Tensor, options: dict, transposed: bool) -> Cal
     """The VJP of a convolution with respect to its input, as one transposed convolution (no autograd)."""
     dims = weight.dim() - 2
 
-    def expand(value):
+    def expand(value: Any) -> list[int]:
         return [value] * dims if isinstance(value, int) else list(value)
 
     padding = options.get("padding", 0)
@@ -329,17 +332,19 @@ def _parametric(kind: str, names: tuple[str, ...]) -> Handler:
     """Convolutions and dense layers: ``f(x; weight, bias)``, rule from the composite."""
     transposed = names is _CONV_TRANSPOSE
 
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         bound = _bind_builtin(names, args, kwargs)
         x, original_weight, original_bias = bound.get("input"), bound.get("weight"), bound.get("bias")
         if not is_activation(x):
             return func(*args, **kwargs)
         # rules see constants; weights computed from the input count as constants too
-        weight = original_weight.detach()
+        weight = original_weight.detach()  # type: ignore[union-attr]
         bias = original_bias.detach() if original_bias is not None else None
         options = {key: value for key, value in bound.items() if key not in _LINEAR}
+        transpose: Callable[..., Tensor] | None
+        channel_dim: int | None
 
-        def evaluate(inp, w, b):
+        def evaluate(inp: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
             return func(inp, w, b, **options)
 
         if kind == "dense":
@@ -359,7 +364,7 @@ def _parametric(kind: str, names: tuple[str, ...]) -> Handler:
     return handle
 
 
-def _relu_output(session, x: Tensor) -> bool:
+def _relu_output(session: Session, x: Tensor) -> bool:
     """Whether ``x`` is the output of a ReLU, as it left it: every entry ``>= 0``.
 
     An op that later overwrites ``x`` in place takes its place as the producer (``Session.overwritten``).
@@ -368,7 +373,7 @@ def _relu_output(session, x: Tensor) -> bool:
     return producer is not None and producer.func in _RELU
 
 
-def _addmm(session, func, args, kwargs):
+def _addmm(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
     """``addmm(bias, x, W)`` with a constant ``W`` (in x out), as Hugging Face's ``Conv1D`` writes a dense layer."""
     bound = _bind_builtin(("input", "mat1", "mat2"), args, kwargs)
     bias, x, weight = bound.get("input"), bound.get("mat1"), bound.get("mat2")
@@ -377,10 +382,10 @@ def _addmm(session, func, args, kwargs):
     if not is_activation(x):
         return func(*args, **kwargs)
 
-    def evaluate(inp, w, b):
+    def evaluate(inp: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         return inp @ w if b is None else torch.addmm(b, inp, w)
 
-    constants = (weight.detach(), bias.detach() if bias is not None else None)
+    constants = (weight.detach(), bias.detach() if bias is not None else None)  # type: ignore[union-attr]
     call = ParametricCall("dense", func, (bias, x, weight), {}, op_name(func), session.module_name,
                           *constants, evaluate, 1, lambda grad, w=constants[0], like=None: grad @ w.T,
                           session.workspace)
@@ -410,7 +415,7 @@ def _decomposed(names: tuple[str, ...], decompose: Callable[..., Tensor]) -> Han
     rule as if the model had written it out. ``names`` name the op's
     positional arguments.
     """
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         with torch.no_grad():
             out = func(*args, **kwargs)
         with session:  # back in the mode: each op of the decomposition gets its rule
@@ -447,7 +452,7 @@ _ADD_PRODUCTS: dict[str, Handler] = {
 }
 
 
-def _norm(session, func, args, kwargs):
+def _norm(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
     """A vector norm: positively homogeneous of degree 1, so ``x * grad ||x||`` sums to ``||x||``.
 
     The epsilon rule on it (kind ``"sum"``) therefore conserves: ``R_i = R |x_i|^p / ||x||_p^p``. Its
@@ -461,7 +466,7 @@ def _norm(session, func, args, kwargs):
     return out
 
 
-def _grid_sample(session, func, args, kwargs):
+def _grid_sample(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Sampling the input at grid positions: a weighted sum of its pixels, shared like an interpolation.
 
     The grid says where to look: like a gate, it takes no relevance, also where a network computes it
@@ -476,7 +481,7 @@ def _grid_sample(session, func, args, kwargs):
 
 # ---------------------------------------------------------------- batch norm
 
-def _batch_norm(session, func, args, kwargs):
+def _batch_norm(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
     """BatchNorm: merged into the conv/dense op that produced its input, else an affine map."""
     bound = _bind(F.batch_norm, args, kwargs)
     x = bound["input"]
@@ -511,12 +516,12 @@ def _batch_norm(session, func, args, kwargs):
 
 def _linear(kind: str, linearised: Callable | None = None) -> Handler:
     """Sums, means, average pooling, interpolation, normalisation: linear in their activations."""
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         return session.run(OpCall(kind, func, args, kwargs, op_name(func), session.module_name, linearised))
     return handle
 
 
-def _resample(session, func, args, kwargs):
+def _resample(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Average pooling and interpolation: sums, whose output keeps the tag of their one activation.
 
     A resampled sigmoid is still a gate (GhostNetV3's ``x * interpolate(sigmoid(r))``).
@@ -529,7 +534,8 @@ def _resample(session, func, args, kwargs):
     return out
 
 
-def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+def _layer_norm(input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
+                bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """Layer norm with the standard deviation held constant; the mean subtraction stays linear."""
     dims = tuple(range(-len(normalized_shape), 0))
     centred = input - input.mean(dims, keepdim=True)
@@ -540,7 +546,8 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return out + bias if bias is not None else out
 
 
-def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+def _group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
+                eps: float = 1e-5) -> Tensor:
     """Group norm with the standard deviation held constant."""
     grouped = input.reshape(input.shape[0], num_groups, -1)
     centred = grouped - grouped.mean(-1, keepdim=True)
@@ -552,7 +559,8 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     return out + bias.reshape(shape) if bias is not None else out
 
 
-def _rms_norm(input, normalized_shape, weight=None, eps=None):
+def _rms_norm(input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
+              eps: float | None = None) -> Tensor:
     """RMS norm with the root mean square held constant."""
     dims = tuple(range(-len(normalized_shape), 0))
     eps = torch.finfo(input.dtype).eps if eps is None else eps
@@ -569,7 +577,7 @@ def _elementwise(tag: str | None = None) -> Handler:
     ``"sigmoid"`` (a gate), ``"activation"`` (gated MLPs: a gate for CP-LRP)
     or ``"statistic"`` (``rsqrt`` of a variance: a constant scaling).
     """
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         call = OpCall("elementwise", func, args, kwargs, op_name(func), session.module_name)
         if len(call.inputs) != 1:
             return session.unknown(func, args, kwargs)
@@ -577,7 +585,7 @@ def _elementwise(tag: str | None = None) -> Handler:
         if tag is not None:
             session.tags[out] = tag
         return out
-    handle.tag = tag
+    handle.tag = tag  # type: ignore[attr-defined]
     return handle
 
 
@@ -591,7 +599,7 @@ def _product(matrix: bool, divide: bool = False) -> Handler:
     rule). Two factors: the composite decides (uniform split, or the signal
     takes all where one factor is a gate; a divisor counts as a gate).
     """
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         call = OpCall("product", func, args, kwargs, op_name(func), session.module_name)
         call.matrix = matrix
         if len(call.inputs) > 2 and not matrix:  # (an einsum of k factors is split k ways)
@@ -634,7 +642,7 @@ def _gates_a_constant(tag: str | None, args: tuple) -> bool:
 
 def _softmax(names: tuple[str, ...] | None) -> Handler:
     """Softmax inside the model; its output is tagged, so that CP-LRP can hold attention weights constant."""
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         bound = _bind(func, args, kwargs) if names is None else _bind_builtin(names, args, kwargs)
         call = OpCall("softmax", func, args, kwargs, op_name(func), session.module_name)
         if len(call.inputs) != 1 or bound.get("dim") is None:
@@ -658,7 +666,7 @@ class AttentionCall(OpCall):
     two matrix products and its softmax.
     """
 
-    def __init__(self, func, args, kwargs, module_name):
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, module_name: str) -> None:
         super().__init__("attention", func, args, kwargs, op_name(func), module_name)
         bound = _bind_builtin(_SDPA, args, kwargs)
         self._parts = {key: _constant(bound.get(key)) for key in _SDPA}
@@ -667,7 +675,7 @@ class AttentionCall(OpCall):
     def _needs_graph(self) -> bool:
         return False
 
-    def attention_relevance(self, relevance: Tensor, epsilon: float, values_only: bool):
+    def attention_relevance(self, relevance: Tensor, epsilon: float, values_only: bool) -> tuple[Tensor | None, ...]:
         parts = self._parts
         q, k, v = (parts[key] for key in ("query", "key", "value"))
         groups = q.shape[-3] // k.shape[-3] if parts["enable_gqa"] else 1
@@ -697,11 +705,11 @@ class AttentionCall(OpCall):
         return tuple(found.get(role) for role in self._roles)
 
 
-def _attention(session, func, args, kwargs):
+def _attention(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
     return session.run(AttentionCall(func, args, kwargs, session.module_name))
 
 
-def _multi_head_attention(session, func, args, kwargs):
+def _multi_head_attention(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
     """``nn.MultiheadAttention``: the native output, relevance through its decomposition into rule-bearing ops."""
     bound = _bind(func, args, kwargs)
     if (bound["bias_k"] is not None or bound["add_zero_attn"]
@@ -713,12 +721,15 @@ def _multi_head_attention(session, func, args, kwargs):
     return substitute(output, decomposed), weights
 
 
-def _decomposed_attention(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias,
-                          out_proj_weight, out_proj_bias, key_padding_mask=None, attn_mask=None,
-                          use_separate_proj_weight=False, q_proj_weight=None, k_proj_weight=None,
-                          v_proj_weight=None, is_causal=False, **_):
+def _decomposed_attention(query: Tensor, key: Tensor, value: Tensor, embed_dim_to_check: int, num_heads: int,
+                          in_proj_weight: Tensor | None, in_proj_bias: Tensor | None, out_proj_weight: Tensor,
+                          out_proj_bias: Tensor | None, key_padding_mask: Tensor | None = None,
+                          attn_mask: Tensor | None = None, use_separate_proj_weight: bool = False,
+                          q_proj_weight: Tensor | None = None, k_proj_weight: Tensor | None = None,
+                          v_proj_weight: Tensor | None = None, is_causal: bool = False, **_: Any) -> Tensor:
     """``F.multi_head_attention_forward`` (sequence first, no dropout) as linear maps around fused attention."""
-    weights = (q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight else in_proj_weight.chunk(3)
+    weights = ((q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight
+               else in_proj_weight.chunk(3))  # type: ignore[union-attr]
     biases = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
     length, batch, width = query.shape
     head = width // num_heads
@@ -743,7 +754,7 @@ def _decomposed_attention(query, key, value, embed_dim_to_check, num_heads, in_p
 
 # ---------------------------------------------------------------- embeddings
 
-def _embedding(session, func, args, kwargs):
+def _embedding(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
     """A lookup of the model's integer input: its vectors collect the relevance of those tokens."""
     bound = _bind(func, args, kwargs)
     if is_activation(bound["weight"]):
@@ -760,7 +771,7 @@ def _max_pool(signature: Callable, average: Callable[[dict], Callable[[Tensor], 
 
     ``signature`` is the plain function behind ``F.max_pool2d``'s dispatch, to bind arguments by name.
     """
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         bound = _bind(signature, args, kwargs)
         if bound.get("return_indices"):
             return func(*args, **kwargs)
@@ -771,7 +782,7 @@ def _max_pool(signature: Callable, average: Callable[[dict], Callable[[Tensor], 
 
 
 def _window_average(pool: Callable) -> Callable[[dict], Callable[[Tensor], Tensor]]:
-    def make(bound):
+    def make(bound: dict) -> Callable[[Tensor], Tensor]:
         if bound.get("dilation", 1) not in (1, (1,), (1, 1), (1, 1, 1)):
             raise NotImplementedError("relprop: proportional max pooling supports dilation 1 only")
         stride = bound.get("stride") or bound["kernel_size"]
@@ -781,7 +792,7 @@ def _window_average(pool: Callable) -> Callable[[dict], Callable[[Tensor], Tenso
 
 
 def _adaptive_average(pool: Callable) -> Callable[[dict], Callable[[Tensor], Tensor]]:
-    def make(bound):
+    def make(bound: dict) -> Callable[[Tensor], Tensor]:
         return functools.partial(pool, output_size=bound["output_size"])
     return make
 
@@ -819,7 +830,7 @@ _register(
     _lookup(F, "pad dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout pixel_shuffle "
                "pixel_unshuffle channel_shuffle unfold max_pool1d_with_indices "
                "max_pool2d_with_indices max_pool3d_with_indices"),
-    [_T.T.__get__, _T.mT.__get__, _T.data.__get__],
+    [_T.T.__get__, _T.mT.__get__, _T.data.__get__],  # type: ignore[attr-defined]
 )
 _COMBINING = "cat concat concatenate stack hstack vstack dstack where"
 _register(_combine, _lookup(torch, _COMBINING), _lookup(_T, _COMBINING))
@@ -943,7 +954,7 @@ def _embedding_arguments(a: dict) -> tuple:
 
 
 #: aten ops whose torch function takes the arguments in another order or fewer of them
-_REORDERED = {
+_REORDERED: dict[str, tuple[Callable, Callable[[dict], tuple]]] = {
     "batch_norm": (F.batch_norm, _batch_norm_arguments),
     "layer_norm": (F.layer_norm, lambda a: (a["input"], a["normalized_shape"], a["weight"], a["bias"], a["eps"])),
     "group_norm": (F.group_norm, lambda a: (a["input"], a["num_groups"], a["weight"], a["bias"], a["eps"])),
@@ -986,7 +997,7 @@ def _resolve_aten(op: torch._ops.OpOverload) -> tuple[Handler, Callable, Callabl
     if name in _ATEN_ROUTING or (returns and returns[0].alias_info is not None and not op._schema.is_mutable):
         return _run, op, None
     for namespace in (torch, F, _nn, _T):
-        func = getattr(namespace, name, None)
+        func = getattr(namespace, name, None)  # type: ignore[assignment]
         if func is not None and func in HANDLERS:
             handler = HANDLERS[func]
             return handler, (op if handler is _run else func), None

@@ -25,6 +25,7 @@ inputs get relevance too.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +33,15 @@ from torch import Tensor
 
 from .graph import substitute
 
+if TYPE_CHECKING:
+    from .engine import Session
+    from .ops import Handler
+
 __all__ = ["RECURRENT_HANDLERS"]
 
 
-def _lstm_cell(x: Tensor, state: tuple[Tensor, Tensor], w_ih, w_hh, b_ih=None, b_hh=None):
+def _lstm_cell(x: Tensor, state: tuple[Tensor, Tensor], w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None = None,
+               b_hh: Tensor | None = None) -> tuple[Tensor, Tensor]:
     h, c = state
     gates = F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh)
     i, f, g, o = gates.chunk(4, -1)
@@ -43,7 +49,8 @@ def _lstm_cell(x: Tensor, state: tuple[Tensor, Tensor], w_ih, w_hh, b_ih=None, b
     return torch.sigmoid(o) * torch.tanh(c), c
 
 
-def _gru_cell(x: Tensor, h: Tensor, w_ih, w_hh, b_ih=None, b_hh=None):
+def _gru_cell(x: Tensor, h: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None = None,
+              b_hh: Tensor | None = None) -> Tensor:
     i_r, i_z, i_n = F.linear(x, w_ih, b_ih).chunk(3, -1)
     h_r, h_z, h_n = F.linear(h, w_hh, b_hh).chunk(3, -1)
     reset = torch.sigmoid(i_r + h_r)
@@ -52,16 +59,18 @@ def _gru_cell(x: Tensor, h: Tensor, w_ih, w_hh, b_ih=None, b_hh=None):
     return torch.sigmoid(-update) * candidate + torch.sigmoid(update) * h
 
 
-def _rnn_cell(activation: Callable[[Tensor], Tensor]):
-    def cell(x: Tensor, h: Tensor, w_ih, w_hh, b_ih=None, b_hh=None):
+def _rnn_cell(activation: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
+    def cell(x: Tensor, h: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None = None,
+             b_hh: Tensor | None = None) -> Tensor:
         return activation(F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh))
     return cell
 
 
-_CELLS = {"lstm": _lstm_cell, "gru": _gru_cell, "rnn_tanh": _rnn_cell(torch.tanh), "rnn_relu": _rnn_cell(torch.relu)}
+_CELLS: dict[str, Callable[..., Any]] = {
+    "lstm": _lstm_cell, "gru": _gru_cell, "rnn_tanh": _rnn_cell(torch.tanh), "rnn_relu": _rnn_cell(torch.relu)}
 
 
-def _select(state, index, rows=None):
+def _select(state: Any, index: int | None, rows: int | None = None) -> Any:
     """The state of one layer-direction (and some batch rows), for LSTM (h, c) pairs and single states."""
     if isinstance(state, tuple):
         return tuple(_select(s, index, rows) for s in state)
@@ -69,20 +78,21 @@ def _select(state, index, rows=None):
     return part if rows is None else part[:rows]
 
 
-def _merge(new, old, rows):
+def _merge(new: Any, old: Any, rows: int) -> Any:
     """Rows ``:rows`` from ``new``, the rest from ``old`` (sequences that are not running at this step)."""
     if isinstance(new, tuple):
         return tuple(_merge(n, o, rows) for n, o in zip(new, old))
     return new if rows == old.shape[0] else torch.cat([new, old[rows:]])
 
 
-def _hidden(state):
+def _hidden(state: Any) -> Tensor:
     return state[0] if isinstance(state, tuple) else state
 
 
-def _direction(cell, steps: list[Tensor], state, weights, reverse: bool):
+def _direction(cell: Callable[..., Any], steps: list[Tensor], state: Any, weights: Sequence[Tensor],
+               reverse: bool) -> tuple[list[Tensor], Any]:
     """One direction of one layer over the time steps (each ``(batch_t, features)``, batch_t non-increasing)."""
-    outputs = [None] * len(steps)
+    outputs: list[Any] = [None] * len(steps)
     order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
     for t in order:
         rows = steps[t].shape[0]
@@ -92,8 +102,8 @@ def _direction(cell, steps: list[Tensor], state, weights, reverse: bool):
     return outputs, state
 
 
-def _unrolled(kind: str, steps: list[Tensor], hx, params: Sequence[Tensor], has_biases: bool, num_layers: int,
-              bidirectional: bool):
+def _unrolled(kind: str, steps: list[Tensor], hx: Any, params: Sequence[Tensor], has_biases: bool, num_layers: int,
+              bidirectional: bool) -> tuple[list[Tensor], Any]:
     """The recurrent layer over ``steps`` (a list of per-time-step inputs); outputs per step and final states."""
     cell = _CELLS[kind]
     directions = 2 if bidirectional else 1
@@ -113,9 +123,9 @@ def _unrolled(kind: str, steps: list[Tensor], hx, params: Sequence[Tensor], has_
     return steps, torch.stack(finals)
 
 
-def _recurrent(kind: str):
+def _recurrent(kind: str) -> Handler:
     """``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``, padded or packed: unrolled for relevance."""
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         packed = isinstance(args[1], Tensor) and not args[1].is_floating_point()
         if packed:
             data, batch_sizes, hx, params, has_biases, num_layers, _, _, bidirectional = args
@@ -138,9 +148,9 @@ def _recurrent(kind: str):
     return handle
 
 
-def _cell(kind: str):
+def _cell(kind: str) -> Handler:
     """``torch.lstm_cell`` / ``gru_cell`` / ``rnn_tanh_cell`` / ``rnn_relu_cell``."""
-    def handle(session, func, args, kwargs):
+    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         native = func(*args, **kwargs)
         x, hx, *weights = args
         with session:

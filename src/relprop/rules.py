@@ -31,10 +31,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .graph import OpCall, ParametricCall
 
 __all__ = [
     "Rule", "Epsilon", "Norm", "BasicRule", "Term", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
@@ -117,11 +121,11 @@ class Rule:
     #: (the engine computes ``z`` again otherwise). False unless a rule says so.
     zero_for_zero_input: bool = False
 
-    def accepts(self, call) -> bool:
+    def accepts(self, call: OpCall) -> bool:
         """Whether this rule can propagate through ``call``."""
         return call.kind in self.kinds
 
-    def conserves(self, call) -> bool:
+    def conserves(self, call: OpCall) -> bool:
         """Whether the relevance this rule hands to ``call``'s inputs adds up to what arrived, up to a stabiliser.
 
         Such a rule hands on ``sum_k R_k z_k / (z_k + eps)``, never more than
@@ -131,14 +135,14 @@ class Rule:
         """
         return False
 
-    def prepare(self, call) -> None:
+    def prepare(self, call: OpCall) -> None:
         """Precompute from ``call.output`` what :meth:`propagate` needs.
 
         Called once per call, at the start of the backward pass, or earlier if
         the output is about to be modified in place.
         """
 
-    def propagate(self, call, relevance: Tensor) -> tuple[Tensor | None, ...]:
+    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
         """Return the relevance of each of ``call.inputs`` given the output relevance."""
         raise NotImplementedError
 
@@ -171,17 +175,18 @@ class Epsilon(Rule):
         self.epsilon = epsilon
         self.zero_bias = zero_bias
 
-    def accepts(self, call) -> bool:
+    def accepts(self, call: OpCall) -> bool:
         return super().accepts(call) and (not self.zero_bias or call.kind in PARAMETRIC_KINDS)
 
-    def prepare(self, call) -> None:
-        if self.zero_bias and call.bias is not None:
-            call.inverse = inverse_denominator(call.output - call.bias_term(), self.epsilon)
+    def prepare(self, call: OpCall) -> None:
+        if self.zero_bias and call.bias is not None:  # type: ignore[attr-defined]  # parametric kinds only
+            call.inverse = inverse_denominator(call.output - call.bias_term(),  # type: ignore[attr-defined]
+                                               self.epsilon)
         else:
             z = call.take_output() if call.output_nonnegative else None
             call.inverse = inverse_denominator(call.output if z is None else z, self.epsilon, in_place=z is not None)
 
-    def propagate(self, call, relevance):
+    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
         scaled = torch.mul(relevance, call.inverse, out=call.inverse)  # the inverse is read once
         grads = call.vjp(scaled)
         if call.kind in PARAMETRIC_KINDS:  # fresh tensors from a transposed product: scaled in place
@@ -276,23 +281,23 @@ class BasicRule(Rule):
     #: whether that fast form takes inputs of both signs; else only non-negative ones (after a ReLU)
     splits_signed: bool = False
 
-    def propagate(self, call, relevance):
+    def propagate(self, call: ParametricCall, relevance: Tensor) -> tuple[Tensor]:  # type: ignore[override]
         split = None
         if self.propagate_split is not None:
             split = _split_input(call, self.zero_bias, self.splits_signed)
         if split is not None:
-            return (self.propagate_split(call, relevance, split),)
+            return (self.propagate_split(call, relevance, split),)  # type: ignore[misc]
         (x,) = call.inputs
-        inputs, outputs, live = [], [], []
+        inputs, outputs, live = [], [], []  # type: ignore[var-annotated]
         with torch.enable_grad():
             for term in self._terms:
                 modified = term.input(x).detach()
                 keep_bias = term.bias and not self.zero_bias and call.bias is not None
-                bias = term.param(call.bias) if keep_bias else None
+                bias = term.param(call.bias) if keep_bias else None  # type: ignore[arg-type]
                 # x- of a non-negative input (after a ReLU) is all zeros: its term is the bias alone, no product
                 if bias is None and not modified.any():
                     inputs.append(modified)
-                    outputs.append(None)
+                    outputs.append(None)  # type: ignore[arg-type]
                     continue
                 modified.requires_grad_()
                 inputs.append(modified)
@@ -311,14 +316,14 @@ class BasicRule(Rule):
 
 
 def _weighted_sum(inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
-    return sum(x * c for x, c in zip(inputs, grads))
+    return sum(x * c for x, c in zip(inputs, grads))  # type: ignore[return-value]
 
 
 def _split(relevance: Tensor, outputs: list[Tensor], epsilon: float, groups: Sequence[int]) -> list[Tensor]:
     """Divide the relevance by the stabilised sum of each group of consecutive outputs."""
     grads, start = [], 0
     for size in groups:
-        scaled = relevance / denominator(sum(outputs[start:start + size]), epsilon)
+        scaled = relevance / denominator(sum(outputs[start:start + size]), epsilon)  # type: ignore[arg-type]
         grads.extend([scaled] * size)
         start += size
     return grads
@@ -353,10 +358,10 @@ class _Split:
     def take_positive(self) -> Tensor:
         """``positive``, handed over: the rule writes into it, and it is freed as soon as the rule lets go."""
         positive, self.positive = self.positive, None
-        return positive
+        return positive  # type: ignore[return-value]  # handed over once
 
 
-def _split_input(call, zero_bias: bool, signed: bool) -> _Split | None:
+def _split_input(call: ParametricCall, zero_bias: bool, signed: bool) -> _Split | None:
     """The op's input split by sign when a fast form applies (``signed``: also to negative entries), else None."""
     if zero_bias or call.kind not in PARAMETRIC_KINDS or not getattr(call, "transposable", False):
         return None
@@ -371,8 +376,8 @@ def _split_input(call, zero_bias: bool, signed: bool) -> _Split | None:
     stacked = call.stack_signs(x)
     if stacked is not None:
         inputs, weights = stacked
-        return _Split(*inputs.chunk(2, call.input_channel_axis(x)), call.evaluate(inputs, weights, b_pos), None, None,
-                      stacked=stacked)
+        return _Split(*inputs.chunk(2, call.input_channel_axis(x)),  # type: ignore[call-arg, misc, arg-type]
+                      call.evaluate(inputs, weights, b_pos), None, None, stacked=stacked)
     w_pos, w_neg = call.weight_parts(negative=True)
     x_pos, x_neg = x.clamp(min=0), x.clamp(max=0)
     positive = call.evaluate(x_pos, w_pos, b_pos).add_(call.evaluate(x_neg, w_neg, None))
@@ -407,17 +412,17 @@ class ZPlus(BasicRule):
 
     splits_signed = True
 
-    def propagate_split(self, call, relevance, split):
+    def propagate_split(self, call: ParametricCall, relevance: Tensor, split: _Split) -> Tensor:
         shared = _nonnegative_denominator(split.take_positive(), self.stabilizer)  # P >= 0
         shared = torch.div(relevance, shared, out=shared)
         if split.stacked is not None:  # x+ W+^T s and x- W-^T s side by side: the relevance is their sum
             inputs, weights = split.stacked
             both = call.transpose_with(shared, weights, like=inputs).mul_(inputs)
             return torch.add(*both.chunk(2, call.input_channel_axis(both)))
-        grad = call.transpose_with(shared, split.w_pos).mul_(split.x_pos)
+        grad = call.transpose_with(shared, split.w_pos).mul_(split.x_pos)  # type: ignore[arg-type]
         if split.x_neg is None:
             return grad
-        return grad.add_(call.transpose_with(shared, split.w_neg).mul_(split.x_neg))
+        return grad.add_(call.transpose_with(shared, split.w_neg).mul_(split.x_neg))  # type: ignore[arg-type]
 
     def __init__(self, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.stabilizer = stabilizer
@@ -440,22 +445,23 @@ class AlphaBeta(BasicRule):
 
     splits_signed = True
 
-    def propagate_split(self, call, relevance, split):
+    def propagate_split(self, call: ParametricCall, relevance: Tensor, split: _Split) -> Tensor:
         # P >= 0 and N = z - P <= 0: the sums of the positive and of the negative contributions. x+ takes the
         # positive ones through W+ and the negative ones through W-, x- the other way round. Each quotient
         # is freed once its products are done: at most four map-sized tensors at once, the relevance included.
         # (W-^T n as W^T n - W+^T n would spare W-, but cancels badly where N is near 0.)
         z = call.take_output()
-        negative = torch.sub(call.output, split.positive) if z is None else z.sub_(split.positive)
+        negative = (torch.sub(call.output, split.positive) if z is None  # type: ignore[arg-type]
+                    else z.sub_(split.positive))  # type: ignore[arg-type]
         del z  # `negative` alone holds the output's memory now: freed with it
         negative = _nonpositive_denominator(negative, self.stabilizer)
         negative = torch.div(relevance, negative, out=negative)
         if split.x_neg is None:  # x >= 0: W+ first, then W- written over it, one weight-sized tensor fewer
             positive = _nonnegative_denominator(split.take_positive(), self.stabilizer)
             positive = torch.div(relevance, positive, out=positive)
-            on_pos = call.transpose_with(positive, split.w_pos)
+            on_pos = call.transpose_with(positive, split.w_pos)  # type: ignore[arg-type]
             del positive
-            w_neg = call.negative_weight(out=split.w_pos)
+            w_neg = call.negative_weight(out=split.w_pos)  # type: ignore[arg-type]
             return call.transpose_with(negative, w_neg).mul_(-self.beta).add_(on_pos, alpha=self.alpha) \
                 .mul_(split.x_pos)
         if split.stacked is not None:  # one transposed product per quotient gives both of its halves
@@ -473,20 +479,22 @@ class AlphaBeta(BasicRule):
             del on_negative, n_pos, n_neg
             both.mul_(inputs)
             return torch.add(p_pos, p_neg)
-        on_pos = call.transpose_with(negative, split.w_neg).mul_(-self.beta)
-        on_neg = call.transpose_with(negative, split.w_pos).mul_(-self.beta)
+        on_pos = call.transpose_with(negative, split.w_neg).mul_(-self.beta)  # type: ignore[arg-type]
+        on_neg = call.transpose_with(negative, split.w_pos).mul_(-self.beta)  # type: ignore[arg-type]
         del negative
         positive = _nonnegative_denominator(split.take_positive(), self.stabilizer)
         positive = torch.div(relevance, positive, out=positive)
-        grad = on_pos.add_(call.transpose_with(positive, split.w_pos), alpha=self.alpha).mul_(split.x_pos)
-        return grad.add_(on_neg.add_(call.transpose_with(positive, split.w_neg), alpha=self.alpha).mul_(split.x_neg))
+        grad = on_pos.add_(call.transpose_with(positive, split.w_pos),  # type: ignore[arg-type]
+                           alpha=self.alpha).mul_(split.x_pos)
+        on_neg = on_neg.add_(call.transpose_with(positive, split.w_neg), alpha=self.alpha)  # type: ignore[arg-type]
+        return grad.add_(on_neg.mul_(split.x_neg))  # type: ignore[arg-type]
 
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_bias: bool = False):
         if alpha < 0 or beta < 0 or not math.isclose(alpha - beta, 1.0):
             raise ValueError(f"AlphaBeta needs alpha, beta >= 0 and alpha - beta = 1, got alpha={alpha}, beta={beta}")
         self.alpha, self.beta, self.stabilizer = alpha, beta, stabilizer
 
-        def reduce(inputs, grads):
+        def reduce(inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
             positive = inputs[0] * grads[0] + inputs[1] * grads[1]
             negative = inputs[2] * grads[2] + inputs[3] * grads[3]
             return alpha * positive - beta * negative
@@ -514,7 +522,7 @@ class Gamma(BasicRule):
     zero_for_zero_input = True
     needs_output = True
 
-    def propagate_split(self, call, relevance, split):
+    def propagate_split(self, call: ParametricCall, relevance: Tensor, split: _Split) -> Tensor:
         # z > 0: x (W + g W+) shares R over z + t, with t = g P + eps; z < 0: x (W + g W-) over (1 + g) z - t,
         # as W- x + b- = z - P. Divided by 1 + g, that is z - t / (1 + g). So with w = 1 where z > 0 and
         # w = -1 / (1 + g) where z < 0, one quotient a = R / (z + w t) serves both, and as W- = W - W+:
@@ -535,7 +543,8 @@ class Gamma(BasicRule):
         (grad,) = call.vjp(a)  # W^T a; a merged BatchNorm's scale goes onto the smaller operand
         w_a = F.leaky_relu_(shared.sign_(), slope).mul_(a)  # w from the sign of z + w t, which is that of z
         del a
-        return grad.add_(call.transpose_with(w_a, split.w_pos), alpha=gamma).mul_(split.x_pos)
+        return grad.add_(call.transpose_with(w_a, split.w_pos),  # type: ignore[union-attr, arg-type]
+                         alpha=gamma).mul_(split.x_pos)
 
     def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.gamma, self.stabilizer = gamma, stabilizer
@@ -546,7 +555,7 @@ class Gamma(BasicRule):
         def down(t: Tensor) -> Tensor:
             return t + gamma * t.clamp(max=0)
 
-        def mapper(relevance, outputs, z):
+        def mapper(relevance: Tensor, outputs: list[Tensor], z: Tensor) -> list[Tensor]:
             positive = relevance * (z > 0) / denominator(outputs[0] + outputs[1], stabilizer)
             negative = relevance * (z < 0) / denominator(outputs[2] + outputs[3], stabilizer)
             return [positive, positive, negative, negative]
@@ -572,7 +581,7 @@ class ZBox(BasicRule):
 
     needs_output = True  # the fast form reads x W as z - b
 
-    def propagate(self, call, relevance):
+    def propagate(self, call: ParametricCall, relevance: Tensor) -> tuple[Tensor]:  # type: ignore[override]
         (x,) = call.inputs
         low, high = self._fitted(call, x)
         if not getattr(call, "transposable", False):
@@ -600,11 +609,11 @@ class ZBox(BasicRule):
         if bounds is not None:
             on_x, on_bounds = call.transpose_beside(shared, bounds)
             return (torch.sub(on_x.mul_(x), on_bounds),)
-        grad = call.vjp(shared)[0].mul_(x)
+        grad = call.vjp(shared)[0].mul_(x)  # type: ignore[union-attr]
         grad.sub_(call.transpose_with(shared, w_pos).mul_(low))
         return (grad.sub_(call.transpose_with(shared, w_neg).mul_(high)),)
 
-    def _fitted(self, call, x: Tensor) -> tuple[float | Tensor, float | Tensor]:
+    def _fitted(self, call: ParametricCall, x: Tensor) -> tuple[float | Tensor, float | Tensor]:
         """The bounds, where they broadcast against the layer's input ``x``; else as images taken from the model
         input's space through the routing ops that made ``x`` (a space-to-depth before the first layer).
         """
@@ -617,9 +626,9 @@ class ZBox(BasicRule):
                              f"{tuple(torch.as_tensor(self.high).shape)} do not broadcast against the input "
                              f"{tuple(x.shape)} of {call.describe()}, which is not the model input rearranged; pass "
                              "bounds of the layer's input shape, or scalars")
-        return routed
+        return routed  # type: ignore[return-value]  # none is None here
 
-    def _bound_weight(self, call, x: Tensor, low: float | Tensor, high: float | Tensor, w_pos: Tensor,
+    def _bound_weight(self, call: ParametricCall, x: Tensor, low: float | Tensor, high: float | Tensor, w_pos: Tensor,
                       w_neg: Tensor) -> Tensor | None:
         """``l W+ + h W-`` in ``w_pos``'s memory, where both bounds are the same at every position of a channel.
 
@@ -632,18 +641,18 @@ class ZBox(BasicRule):
         over positions or examples, or the weight is grouped.
         """
         axis = call.input_channel_axis(x)
-        low, high = (_channel_vector(bound, x, axis) for bound in (low, high))
-        if low is None or high is None or call.scale_input_channels(w_neg, high) is None:
+        low, high = (_channel_vector(bound, x, axis) for bound in (low, high))  # type: ignore[assignment]
+        if low is None or high is None or call.scale_input_channels(w_neg, high) is None:  # type: ignore[arg-type]
             return None
-        return call.scale_input_channels(w_pos, low).add_(w_neg)
+        return call.scale_input_channels(w_pos, low).add_(w_neg)  # type: ignore[union-attr, arg-type]
 
     def __init__(self, low: float | Tensor, high: float | Tensor, stabilizer: float = 1e-6):
         self.low, self.high, self.stabilizer = low, high, stabilizer
 
-        def mapper(relevance, outputs, z):
+        def mapper(relevance: Tensor, outputs: list[Tensor], z: Tensor) -> list[Tensor]:
             return [relevance / denominator(outputs[0] - outputs[1] - outputs[2], stabilizer)] * 3
 
-        def reduce(inputs, grads):
+        def reduce(inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
             return inputs[0] * grads[0] - inputs[1] * grads[1] - inputs[2] * grads[2]
 
         super().__init__(
@@ -683,7 +692,7 @@ def _square(tensor: Tensor) -> Tensor:
     return tensor * tensor
 
 
-def _gradient_only(inputs, grads):
+def _gradient_only(inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
     return grads[0]
 
 
@@ -716,7 +725,7 @@ class Flat(BasicRule):
             zero_bias=True,
         )
 
-    def conserves(self, call) -> bool:
+    def conserves(self, call: OpCall) -> bool:
         return True
 
 
@@ -732,15 +741,15 @@ class Pass(Rule):
 
     kinds = frozenset({"conv", "dense", "batchnorm", "sum", "norm", "elementwise", "product", "maxpool", "softmax"})
 
-    def accepts(self, call) -> bool:
+    def accepts(self, call: OpCall) -> bool:
         if call.kind not in self.kinds or len(call.inputs) != 1:
             return False
         return _broadcasts_to(call.inputs[0].shape, call.output.shape)
 
-    def propagate(self, call, relevance):
+    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
         return (_sum_to(relevance, call.inputs[0].shape),)
 
-    def conserves(self, call) -> bool:
+    def conserves(self, call: OpCall) -> bool:
         return True
 
 
@@ -762,7 +771,7 @@ class Gradient(Rule):
                        "unknown"})
     needs_vjp = True
 
-    def propagate(self, call, relevance):
+    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
         return call.vjp(relevance)
 
 
@@ -783,16 +792,16 @@ class UniformProduct(Rule):
     def __init__(self, epsilon: float = 1e-6):
         self.epsilon = epsilon
 
-    def prepare(self, call) -> None:
+    def prepare(self, call: OpCall) -> None:
         if call.kind == "product":
             call.inverse = inverse_denominator(call.output, self.epsilon).div_(len(call.inputs))
 
-    def conserves(self, call) -> bool:
+    def conserves(self, call: OpCall) -> bool:
         return call.kind == "product"  # a product of k activations is k-linear: x * grad sums to k z
 
-    def propagate(self, call, relevance):
+    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
         if call.kind == "attention":
-            return call.attention_relevance(relevance, self.epsilon, values_only=False)
+            return call.attention_relevance(relevance, self.epsilon, values_only=False)  # type: ignore[attr-defined]
         return tuple(None if c is None else x * c for x, c in zip(call.inputs, call.vjp(relevance * call.inverse)))
 
 
@@ -813,7 +822,7 @@ class SignalTakesAll(Rule):
     def __init__(self, epsilon: float = 1e-6):
         self.epsilon = epsilon
 
-    def accepts(self, call) -> bool:
+    def accepts(self, call: OpCall) -> bool:
         """Fused attention, or a product with a gate and at most one other activation factor.
 
         A gate times a constant (``r * b_hn`` at the first step of a GRU): the
@@ -824,20 +833,21 @@ class SignalTakesAll(Rule):
         gates = getattr(call, "gates", ())
         return call.kind in self.kinds and any(gates) and len(gates) - sum(gates) <= 1
 
-    def prepare(self, call) -> None:
+    def prepare(self, call: OpCall) -> None:
         if getattr(call, "matrix", False):
             call.inverse = inverse_denominator(call.output, self.epsilon)
 
-    def conserves(self, call) -> bool:
+    def conserves(self, call: OpCall) -> bool:
         """A gate times a constant gives the constant the relevance; else the signal takes all of it."""
         return call.kind == "attention" or not all(call.gates)
 
-    def propagate(self, call, relevance):
+    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
         if call.kind == "attention":
-            return call.attention_relevance(relevance, self.epsilon, values_only=True)
+            return call.attention_relevance(relevance, self.epsilon, values_only=True)  # type: ignore[attr-defined]
         if getattr(call, "matrix", False):  # attn @ v: epsilon rule of v's linear map
             grads = call.vjp(relevance * call.inverse)
-            return tuple(None if gate else x * c for x, c, gate in zip(call.inputs, grads, call.gates))
+            return tuple(None if gate else x * c  # type: ignore[operator]
+                         for x, c, gate in zip(call.inputs, grads, call.gates))
         # gate * signal elementwise: the signal's share is all of it
         return tuple(None if gate else _sum_to(relevance, x.shape) for x, gate in zip(call.inputs, call.gates))
 
@@ -854,7 +864,7 @@ class Softmax(Rule):
     kinds = frozenset({"softmax"})
     needs_output = True
 
-    def propagate(self, call, relevance):
+    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = call.inputs
         s = call.output
         taylor = relevance.to(s.dtype) - s * relevance.to(s.dtype).sum(call.dim, keepdim=True)
@@ -876,10 +886,10 @@ class Proportional(Rule):
     def __init__(self, epsilon: float = 1e-6):
         self.epsilon = epsilon
 
-    def conserves(self, call) -> bool:
+    def conserves(self, call: OpCall) -> bool:
         return True
 
-    def propagate(self, call, relevance):
+    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = call.inputs
         with torch.enable_grad():
             leaf = x.detach().requires_grad_()
