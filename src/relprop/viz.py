@@ -107,8 +107,8 @@ def overlay(image: Array, relevance: Array, cmap: str = "bwr", clip: float | Non
 
     The image becomes a mid-grey picture (so that dark and light colours both
     stand out on it); each pixel takes the colour map's end colour of its sign
-    with an opacity that grows with |relevance| (as its square root, so that
-    weak relevance stays visible). Returns an RGB image (H, W, 3, uint8).
+    with an opacity of ``0.9 * |relevance / scale| ** 0.7`` (a power below 1
+    keeps weak relevance visible). Returns an RGB image (H, W, 3, uint8).
     """
     picture = _to_map(image)  # channels summed: a grey picture once stretched to its range
     low, high = picture.min(), picture.max()
@@ -116,7 +116,7 @@ def overlay(image: Array, relevance: Array, cmap: str = "bwr", clip: float | Non
     signed = normalize(relevance, clip)
     ends = colormap(cmap)([0.0, 1.0])[:, :3]
     colour = np.where(signed[..., None] >= 0, ends[1], ends[0])
-    weight = 0.9 * np.sqrt(np.abs(signed))[..., None]
+    weight = 0.9 * np.abs(signed)[..., None] ** 0.7
     blended = (1 - weight) * grey[..., None] + weight * colour
     return np.round(blended * 255).astype(np.uint8)
 
@@ -209,8 +209,9 @@ def save_pixel_flipping(curves: Mapping[str, Mapping[str, torch.Tensor]], path: 
     ----------
     curves : panel title -> method name -> Tensor (steps + 1, N)
         As :func:`relprop.evaluate.pixel_flipping` returns them. A method named
-        ``"random"`` is drawn dashed. The best curve (highest AOPC) is the
-        reference of the lower panel; each legend entry gives the AOPC.
+        ``"random"`` is drawn dashed, and left out of the lower panel. The best
+        explanation (highest AOPC) is the reference of the lower panel; each legend
+        entry gives the AOPC. A method has the same colour in every panel.
     path : where the PNG goes
     """
     from .evaluate import aopc  # evaluate imports no pictures, so this is no cycle
@@ -218,23 +219,26 @@ def save_pixel_flipping(curves: Mapping[str, Mapping[str, torch.Tensor]], path: 
     figure, axes = plt.subplots(2, len(curves), figsize=(6.2 * len(curves), 6.4), squeeze=False, sharex="col",
                                 gridspec_kw={"height_ratios": [3, 2]}, layout="constrained")
     markers = "osD^vP*Xh<>"
+    methods = list(dict.fromkeys(name for by_method in curves.values() for name in by_method))
+    styles = {name: {"linestyle": "--" if name == "random" else "-", "marker": markers[i % len(markers)],
+                     "markersize": 4, "linewidth": 1.4, "color": "grey" if name == "random" else f"C{i}"}
+              for i, name in enumerate(methods)}  # the same look for a method in every panel
     for column, (title, by_method) in enumerate(curves.items()):
         scores = {name: aopc(curve).mean().item() for name, curve in by_method.items()}
-        best = max(scores, key=scores.__getitem__)
+        best = max([n for n in scores if n != "random"] or scores, key=scores.__getitem__)
         reference = by_method[best].mean(1)
-        for index, name in enumerate(sorted(by_method, key=lambda n: -scores[n])):
+        for name in sorted(by_method, key=lambda n: -scores[n]):
             mean = by_method[name].mean(1)
             removed = np.linspace(0, 100, len(mean))
-            style = {"linestyle": "--" if name == "random" else "-", "marker": markers[index % len(markers)],
-                     "markevery": max(1, len(mean) // 8), "markersize": 4, "linewidth": 1.4,
-                     "color": "grey" if name == "random" else f"C{index}"}
+            style = {**styles[name], "markevery": max(1, len(mean) // 8)}
             axes[0][column].plot(removed, mean.numpy(), label=f"{name} (AOPC {scores[name]:.3f})", **style)
-            axes[1][column].plot(removed, (mean - reference).numpy(), **style)
+            if name != "random":  # far above the others, it would flatten their differences
+                axes[1][column].plot(removed, (mean - reference).numpy(), **style)
         axes[0][column].set_title(title, fontsize=10)
         axes[0][column].set_ylabel(ylabel)
         axes[0][column].legend(fontsize=7, title="most relevant removed first", title_fontsize=7)
         axes[1][column].axhline(0.0, color="black", linewidth=0.6)
-        axes[1][column].set_ylabel(f"minus {best}")
+        axes[1][column].set_ylabel(f"minus the best ({best})\n(random order not shown)", fontsize=9)
         axes[1][column].set_xlabel("input removed (%)")
         for axis in axes[:, column]:
             axis.grid(alpha=0.3)
