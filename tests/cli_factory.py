@@ -25,3 +25,7 @@ def slow_cnn() -> nn.Module:
 
 def not_a_model() -> str:
     return "a string"
+
+
+def broken() -> nn.Module:
+    raise ValueError("the factory failed")

@@ -88,21 +88,22 @@ class Command(click.Command):
                                         callback=_remember_debug, help="Show the full traceback of an error."))
 
     def invoke(self, ctx: click.Context) -> Any:
+        failure: click.ClickException
         try:
             return super().invoke(ctx)
-        except click.ClickException as error:
-            error.ctx = getattr(error, "ctx", None) or ctx  # so that the message names the command
-            raise
         except (click.exceptions.Exit, click.Abort):
             raise
+        except click.ClickException as error:
+            failure = error
         except KeyboardInterrupt:
-            raise Interrupted("interrupted; the files finished so far are kept") from None
+            failure = Interrupted("interrupted; the files finished so far are kept")
         except Exception as error:
             if ctx.meta.get("relprop.debug"):
                 raise
-            if isinstance(error, ModuleNotFoundError):
-                raise CommandError(_missing_extra(error)) from error
-            raise CommandError(f"{type(error).__name__}: {error} (rerun with --debug for the traceback)") from error
+            failure = CommandError(_missing_extra(error) if isinstance(error, ModuleNotFoundError) else
+                                   f"{type(error).__name__}: {error} (rerun with --debug for the traceback)")
+        failure.ctx = getattr(failure, "ctx", None) or ctx  # type: ignore[attr-defined]  # names the command
+        raise failure
 
 
 def _remember_debug(ctx: click.Context, _: click.Parameter, value: bool) -> None:
@@ -598,6 +599,8 @@ class _ImageFolder(torch.utils.data.Dataset):
             raise CommandError(f"no readable images in {folder}")
         self.labels = _class_labels([Path(p).relative_to(root).parts for p in self.paths])
         self.size, self.normalize, self.channels = size, normalize, channels
+        # the preprocessing, for the fingerprint that keeps a resumed run from mixing with another one
+        self.transform = {"size": size, "channels": channels, "normalize": normalize}
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -662,7 +665,8 @@ def explain_dataset_command(folder: str, model: str, weights: str | None, random
     image that fails to decode later stops the run with its name (finished shards are
     kept). A rerun into the same --out resumes, skipping finished shards.
     """
-    from .dataset import explain_dataset
+    importlib.import_module("safetensors")  # shards need it: fail before any work, naming the extra
+    from .dataset import RunMismatch, explain_dataset
 
     network = load_model(model, weights, random_weights)
     dataset = _ImageFolder(folder, size, normalize, channels)
@@ -673,9 +677,14 @@ def explain_dataset_command(folder: str, model: str, weights: str | None, random
     if downsample > 1:
         def reduce(relevance: Tensor) -> Tensor:
             return torch.nn.functional.avg_pool2d(relevance.sum(1, keepdim=True), downsample)
-    index = explain_dataset(network, dataset, out, composite=_composite(preset, normalize, channels),
-                            batch_size=batch_size, shard_size=shard_size, target=target, reduce=reduce,
-                            overwrite=overwrite)
+    if overwrite:
+        (out / "files.json").unlink(missing_ok=True)  # the old run's list must not outlive its shards
+    try:
+        index = explain_dataset(network, dataset, out, composite=_composite(preset, normalize, channels),
+                                batch_size=batch_size, shard_size=shard_size, target=target, reduce=reduce,
+                                overwrite=overwrite)
+    except RunMismatch as error:
+        raise CommandError(f"{str(error).removeprefix('relprop: ')} (on the command line: --overwrite)") from None
     _write_json(dataset.paths, out / "files.json")
     click.echo(f"{len(dataset)} images -> {index}")
 
