@@ -130,7 +130,7 @@ def test_explain_text_with_a_local_hugging_face_folder(tmp_path):
 
 
 needs_overwrite = pytest.mark.skipif("overwrite" not in inspect.signature(relprop.explain_dataset).parameters,
-                                     reason="relprop.explain_dataset has no overwrite= yet (the dataset branch adds it)")
+                                     reason="relprop.explain_dataset has no overwrite= yet (the data branch adds it)")
 
 
 @needs_overwrite

