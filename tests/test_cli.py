@@ -48,12 +48,13 @@ def digits(tmp_path):
 def test_explain_writes_heatmaps_with_unique_names_and_normal_permissions(tmp_path, digits):
     same_name = [digit(tmp_path / "a" / "x.png"), digit(tmp_path / "b" / "x.png", 1)]
     result = relprop_run("explain", *digits, *same_name, *MNIST, "--preset", "epsilon-gamma-box",
-                         "--batch-size", 3, "--out", tmp_path / "out", cwd=tmp_path)
+                         "--batch-size", 3, "--figure", "--out", tmp_path / "out", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "digit0.png: class" in result.stdout
     assert files_below(tmp_path / "out") == ["a/x_overlay.png", "a/x_relevance.png", "b/x_overlay.png",
                                              "b/x_relevance.png", "digit0_overlay.png", "digit0_relevance.png",
-                                             "digit1_overlay.png", "digit1_relevance.png", "explain.json"]
+                                             "digit1_overlay.png", "digit1_relevance.png", "explain.json",
+                                             "explain.png"]
     assert Image.open(tmp_path / "out" / "digit0_relevance.png").size == (28, 28)
     summary = json.loads((tmp_path / "out" / "explain.json").read_text())
     assert [entry["image"] for entry in summary] == [str(p) for p in digits + same_name]
@@ -267,6 +268,41 @@ def test_ctrl_c_ends_with_one_line_and_keeps_the_finished_images(tmp_path):
     assert not [name for name in written if name.endswith(".tmp")]
     for entry in finished:  # every image listed is complete
         assert Image.open(entry["relevance"]).size == (28, 28) and Image.open(entry["overlay"]).size == (28, 28)
+
+
+def stderr_on_a_terminal(args, cwd):
+    """What the command writes to stderr when stderr is a 120-column terminal (progress bars show only there)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (SOURCE, TESTS)))}
+    process = subprocess.Popen([str(COMMAND), *map(str, args)], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                               stderr=terminal)
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the command has ended and closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert process.wait(timeout=300) == 0
+    os.close(master)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bars_on_a_terminal_one_labelled_bar_per_method(tmp_path, digits):
+    shown = stderr_on_a_terminal(["evaluate", *digits, *MNIST, "--steps", 4, "--out", tmp_path / "out"], tmp_path)
+    for method in ("LRP epsilon-plus-flat", "Gradient", "Integrated Gradients", "random"):
+        assert f"pixel flipping: {method}:" in shown
+    shown = stderr_on_a_terminal(["explain", *digits, *MNIST, "--batch-size", 1, "--out", tmp_path / "out"], tmp_path)
+    assert "explaining: 100%" in shown
 
 
 def test_help_shows_defaults_and_every_option_has_help():

@@ -440,12 +440,14 @@ def demo(out: Path, examples: int, evaluated: int) -> None:
 @click.option("--clip", type=click.FloatRange(0, 100, min_open=True), default=None, show_default="off",
               help="Scale each heatmap by this percentile of |relevance| (e.g. 99.5) instead of its maximum.")
 @click.option("--scale", type=click.IntRange(min=1), default=1, help="Enlarge each heatmap pixel to SCALE x SCALE.")
+@click.option("--figure", is_flag=True, help="Also write explain.png: every image and its heatmap, with the "
+                                             "predicted class and a colour bar (one row per image).")
 @click.option("--strict", is_flag=True, help="Fail on ops without an LRP rule instead of warning.")
 @click.option("--text", default=None, help="Explain this text instead of images; --model is then a local Hugging "
                                            "Face model folder (needs pip install 'relprop[text]').")
 def explain(images: tuple[str, ...], model: str, weights: str | None, random_weights: bool, preset: str, size: int,
             channels: int, normalize: str | None, out: Path, target: int | None, batch_size: int, cmap: str,
-            clip: float | None, scale: int, strict: bool, text: str | None) -> None:
+            clip: float | None, scale: int, figure: bool, strict: bool, text: str | None) -> None:
     """Write a relevance heatmap and an overlay per image, and explain.json.
 
     Output names follow the images' paths below their common folder. An image that
@@ -463,25 +465,40 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
     lrp = LRP(network, _composite(preset, normalize, channels), strict=strict)
     names = _output_names(paths)
     summary: list[dict[str, Any]] = []
+    shown: list[tuple[Tensor, Tensor]] = []  # pixels and channel-summed relevance, for --figure
     with _bar(len(paths), "explaining", "image") as bar:
         for start in range(0, len(paths), batch_size):
             batch = slice(start, start + batch_size)
             inputs, raw = load_images(paths[batch], size, normalize, channels)
-            explained = _predict(network, inputs, lrp)
-            logits = explained.logits.detach()
-            chosen = _targets(target, logits)
-            (relevance,) = explained.relevance(output_relevance(explained.logits, chosen))
-            for path, name, image, rel, t, row in zip(paths[batch], names[batch], raw, relevance, chosen, logits):
+            entries, relevance = _explain_batch(network, lrp, inputs, target)
+            for entry, path, name, image, rel in zip(entries, paths[batch], names[batch], raw, relevance):
                 files = {kind: out / f"{name}_{kind}.png" for kind in ("relevance", "overlay")}
-                entry = {"image": path, "target": t, "prediction": int(row.argmax()), "logit": row[t].item(),
-                         "relevance_sum": rel.sum().item(), **{kind: str(file) for kind, file in files.items()}}
-                bar.write(f"{path}: class {t} (logit {entry['logit']:.3f}, relevance sum "
+                entry = {"image": path, **entry, **{kind: str(file) for kind, file in files.items()}}
+                bar.write(f"{path}: class {entry['target']} (logit {entry['logit']:.3f}, relevance sum "
                           f"{entry['relevance_sum']:.3f}) -> {files['relevance']}", file=sys.stdout)
                 viz.save_image(viz.heatmap(rel, cmap, clip), files["relevance"], scale=scale)
                 viz.save_image(viz.overlay(image, rel, cmap, clip), files["overlay"], scale=scale)
                 summary.append(entry)
+                if figure:
+                    shown.append((image, rel.sum(0)))
             _write_json(summary, out / "explain.json")  # after every batch: it lists exactly the finished images
             bar.update(len(relevance))
+    if figure:
+        title = f"LRP {preset}" + (f", class {target}" if target is not None else "")
+        viz.save_heatmap_grid(torch.stack([p for p, _ in shown]), {title: torch.stack([r for _, r in shown])},
+                              out / "explain.png", predictions=[e["prediction"] for e in summary], cmap=cmap,
+                              clip=clip)
+
+
+def _explain_batch(network: nn.Module, lrp: LRP, inputs: Tensor, target: int | None) -> tuple[list[dict], Tensor]:
+    """One batch explained: per image its target, prediction, logit and relevance sum; and the relevance."""
+    explained = _predict(network, inputs, lrp)
+    logits = explained.logits.detach()
+    chosen = _targets(target, logits)
+    (relevance,) = explained.relevance(output_relevance(explained.logits, chosen))
+    entries = [{"target": t, "prediction": int(row.argmax()), "logit": row[t].item(), "relevance_sum": r.sum().item()}
+               for t, row, r in zip(chosen, logits, relevance)]
+    return entries, relevance
 
 
 def _targets(target: int | None, logits: Tensor) -> list[int]:
