@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+import click
 import relprop
 
 TESTS = Path(__file__).parent
@@ -30,6 +31,14 @@ def relprop_run(*args, cwd, path=(TESTS,)):
 
 def files_below(folder):
     return sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file())
+
+
+def assert_normal_permissions(folder):
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in Path(folder).rglob("*"):
+        if file.is_file():
+            assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file
 
 
 def digit(path, shift=0):
@@ -58,10 +67,7 @@ def test_explain_writes_heatmaps_with_unique_names_and_normal_permissions(tmp_pa
     assert Image.open(tmp_path / "out" / "digit0_relevance.png").size == (28, 28)
     summary = json.loads((tmp_path / "out" / "explain.json").read_text())
     assert [entry["image"] for entry in summary] == [str(p) for p in digits + same_name]
-    umask = os.umask(0)
-    os.umask(umask)
-    for file in (tmp_path / "out").rglob("*.*"):
-        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file
+    assert_normal_permissions(tmp_path / "out")
 
 
 def test_explain_an_exported_program_like_the_model_itself(tmp_path, digits):
@@ -149,6 +155,7 @@ def test_explain_dataset_writes_shards_resumes_and_refuses_another_run(tmp_path)
     assert load_shard(tmp_path / "shards" / index[1]["shard"])["relevance"].shape == (1, 1, 14, 14)
     assert json.loads((tmp_path / "shards" / "files.json").read_text()) == [
         str(tmp_path / "images" / "3" / "a.png"), str(tmp_path / "images" / "7" / "a.png")]
+    assert_normal_permissions(tmp_path / "shards")
     again = relprop_run(*run, "--downsample", 2, "--target", "label", cwd=tmp_path)
     assert again.returncode == 0 and "2 of 2 shards already done, skipped" in again.stderr
     other = relprop_run(*run, cwd=tmp_path)  # another target mode and no downsampling
@@ -310,7 +317,7 @@ def test_help_shows_defaults_and_every_option_has_help():
 
     for name, command in app.commands.items():
         for parameter in command.params:
-            if isinstance(parameter, relprop.cli.click.Option):
+            if isinstance(parameter, click.Option):
                 assert parameter.help, f"{name} {parameter.opts}"
     result = relprop_run("evaluate", "--help", cwd=TESTS)
     assert result.returncode == 0 and "[default: 50; x>=1]" in result.stdout and "--text" not in result.stdout

@@ -235,7 +235,11 @@ def _load_state_dict(path: str, spec: str) -> dict[str, Tensor]:
                                "torch.save(model)?), which relprop does not unpickle since that can run code: "
                                "save model.state_dict() instead") from None
         raise CommandError(f"--weights {path} is {what}, not a state_dict saved with torch.save") from None
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+    if isinstance(state, dict) and not all(isinstance(v, Tensor) for v in state.values()):
+        keys = ", ".join(map(str, list(state)[:4]))
+        raise CommandError(f"--weights {path} holds a dict with keys {keys}, ... (a training checkpoint?), not a "
+                           "state_dict of tensors: save the model's state_dict alone")
+    if not isinstance(state, dict):
         raise CommandError(f"--weights {path} holds a {type(state).__name__}, not a state_dict (names -> tensors)")
     return state
 
@@ -683,13 +687,12 @@ def explain_dataset_command(folder: str, model: str, weights: str | None, random
     kept). A rerun into the same --out resumes, skipping finished shards.
     """
     importlib.import_module("safetensors")  # shards need it: fail before any work, naming the extra
-    from .dataset import RunMismatch, explain_dataset
-
-    network = load_model(model, weights, random_weights)
     dataset = _ImageFolder(folder, size, normalize, channels)
     if target == "label" and dataset.labels is None:
         raise CommandError(f"--target label needs every image in a class subfolder (FOLDER/CLASS/IMAGE); {folder} "
                            "has images directly in it")
+    network = load_model(model, weights, random_weights)
+    from .dataset import RunMismatch, explain_dataset
     reduce = None
     if downsample > 1:
         def reduce(relevance: Tensor) -> Tensor:
