@@ -48,7 +48,7 @@ from . import LRP, __version__, composites
 from .attribution import model_logits, output_relevance
 
 __all__ = ["main", "app", "Command", "CommandError", "load_model", "load_images", "readable_images",
-           "model_options", "image_options", "out_option"]
+           "model_options", "image_options", "out_option", "preset_option"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
