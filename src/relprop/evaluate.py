@@ -12,8 +12,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -22,12 +22,15 @@ from .attribution import model_logits, target_mask
 
 __all__ = ["pixel_flipping", "aopc", "spearman", "randomization_check"]
 
+T = TypeVar("T")
 
-def _progress(iterable, enabled: bool, **kwargs):
+
+def _progress(iterable: Iterable[T], enabled: bool | str, desc: str) -> Iterable[T]:
+    """``iterable`` with a progress bar (labelled ``enabled`` if that is a string) on a terminal's stderr."""
     if not enabled:
         return iterable
     from tqdm.auto import tqdm  # optional dependency, only for progress bars
-    return tqdm(iterable, **kwargs)
+    return tqdm(iterable, desc=enabled if isinstance(enabled, str) else desc, leave=False, disable=None)
 
 
 @torch.no_grad()
@@ -39,7 +42,7 @@ def _target_scores(model: nn.Module, batch: Tensor, target: Any) -> Tensor:
 @torch.no_grad()
 def pixel_flipping(model: nn.Module, inputs: Tensor, attribution: Tensor | None, target: Any, steps: int = 20,
                    region: int = 1, baseline: float | str = 0.0, generator: torch.Generator | None = None,
-                   progress: bool = False) -> Tensor:
+                   progress: bool | str = False) -> Tensor:
     """Target output while input regions are perturbed, most relevant first (region perturbation).
 
     Parameters
@@ -59,6 +62,8 @@ def pixel_flipping(model: nn.Module, inputs: Tensor, attribution: Tensor | None,
         (Samek et al. 2017), drawn once per example so that all orders see the same noise.
     generator : torch.Generator, optional
         For the noise and the random order.
+    progress : bool or str
+        A progress bar on a terminal; a string is its label.
 
     Returns
     -------
@@ -81,7 +86,7 @@ def pixel_flipping(model: nn.Module, inputs: Tensor, attribution: Tensor | None,
         fill = torch.full_like(inputs, float(baseline))
     targets = target.tolist() if isinstance(target, Tensor) else target
     curve = []
-    for step in _progress(range(steps + 1), progress, desc="pixel flipping", leave=False):
+    for step in _progress(range(steps + 1), progress, "pixel flipping"):
         count = round(step * regions / steps)
         keep = torch.ones(batch, regions, dtype=torch.bool)
         keep.scatter_(1, order[:, :count].cpu(), False)
@@ -138,7 +143,7 @@ def randomization_check(model: nn.Module, explain: Callable[[nn.Module], Tensor]
     layers = [(name, module) for name, module in randomized.named_modules()
               if isinstance(getattr(module, "weight", None), Tensor) and module.weight.dim() > 1]
     results = [("original", 1.0)]
-    for name, module in _progress(list(reversed(layers)), progress, desc="randomising", leave=False):
+    for name, module in _progress(list(reversed(layers)), progress, "randomising"):
         with torch.no_grad():
             std = module.weight.std().item()
             module.weight.normal_(0.0, std if std > 0 else 1.0, generator=generator)
