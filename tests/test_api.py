@@ -321,7 +321,7 @@ def test_unknown_op_on_the_path_is_reported_with_its_module():
         relprop.LRP(model, strict=True).attribute(x, target=0)
 
 
-def test_record_then_relevance_is_attribute_and_forward_is_deprecated():
+def test_record_then_relevance_is_attribute():
     model, x = residual_net(), images()
     lrp = relprop.LRP(model, "epsilon-plus")
     explained = lrp.record(x)
@@ -331,5 +331,3 @@ def test_record_then_relevance_is_attribute_and_forward_is_deprecated():
     torch.testing.assert_close(relevance, lrp.attribute(x, target=target), rtol=1e-12, atol=1e-14)
     with pytest.raises(RuntimeError, match="crosses a recorded forward pass once"):
         explained.relevance(relprop.output_relevance(explained.logits, target))
-    with pytest.warns(DeprecationWarning, match="use LRP.record"):
-        assert torch.equal(lrp.forward(x).logits, explained.logits)

@@ -28,7 +28,7 @@ def aopc(trained):
     model, test_images, _ = trained
     batch = test_images[:200]
     target = model(batch).argmax(1)
-    attributions = {"random": None, "Gradient": methods.Gradient(model).attribute(batch, target=target)}
+    attributions = {"random": None, "Gradient": methods.InputGradient(model).attribute(batch, target=target)}
     for name, composite in {
         "epsilon": composites.Epsilon(),
         "epsilon-gamma-box": composites.EpsilonGammaBox(low=0.0, high=1.0),

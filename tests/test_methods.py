@@ -68,17 +68,6 @@ def test_integrated_gradients_baselines_tuples_and_extra_arguments():
     torch.testing.assert_close(ra, (a - base_a) * b / 2 * scale[:, None])
 
 
-def test_deprecated_names_warn_and_still_work():
-    model, x = linear_model(), torch.randn(2, 2, 4, 4, dtype=torch.float64)
-    with pytest.warns(DeprecationWarning, match="use methods.InputGradient"):
-        old = methods.Gradient(model)
-    assert torch.equal(old.attribute(x, target=1), methods.InputGradient(model).attribute(x, target=1))
-    with pytest.warns(DeprecationWarning, match="n_steps="):
-        legacy = methods.IntegratedGradients(model, steps=16)
-    torch.testing.assert_close(legacy.attribute(x, target=1), methods.IntegratedGradients(model).attribute(
-        x, target=1, n_steps=16, method="riemann_middle"), rtol=0, atol=0)
-
-
 def test_smoothgrad_without_noise_is_the_gradient():
     model = nn.Sequential(nn.Flatten(), nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)).double().eval()
     x = torch.randn(2, 2, 4, dtype=torch.float64)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 import numbers
 import re
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -321,11 +320,6 @@ class LRP(Attribution):
             output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra, **keywords)
         embeddings = {_position(leaves, tokens[i]): found for i, found in session.embeddings.items()}
         return ForwardPass(leaves, model_logits(output), embeddings)
-
-    def forward(self, *args: Any, **kwargs: Any) -> ForwardPass:
-        """Deprecated name of :meth:`record` (an ``LRP`` is not a module: its ``forward`` was misleading)."""
-        warnings.warn("relprop: LRP.forward is deprecated, use LRP.record", DeprecationWarning, stacklevel=2)
-        return self.record(*args, **kwargs)
 
     @_eager
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,

@@ -91,7 +91,7 @@ def explainers(model: nn.Module) -> dict[str, Any]:
         "LRP epsilon-plus-flat": LRP(model, composites.EpsilonPlusFlat()),
         "LRP epsilon-gamma-box": LRP(model, composites.EpsilonGammaBox(low=0.0, high=1.0)),
         "LRP epsilon-alpha2-beta1": LRP(model, composites.EpsilonAlpha2Beta1()),
-        "Gradient": methods.Gradient(model),
+        "Gradient": methods.InputGradient(model),
         "Integrated Gradients": methods.IntegratedGradients(model),
     }
 

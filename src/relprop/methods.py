@@ -15,7 +15,6 @@ Like captum's, every class works inside ``captum.attr.NoiseTunnel`` and with
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch import Tensor
 from .attribution import (Attribution, Inputs, Target, _as_tuple, _captum_entry, _forward_arguments,
                           convergence_delta, model_logits, target_mask)
 
-__all__ = ["InputGradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "Occlusion", "Gradient"]
+__all__ = ["InputGradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "Occlusion"]
 
 Arguments = tuple[tuple, dict]  # positional and keyword arguments after the inputs
 _CHUNK = 256  # examples per forward pass where a method runs many copies and the caller does not say
@@ -113,19 +112,6 @@ class InputGradient(_GradientMethod):
         """The gradient, shaped like the inputs."""
         return _as_given(inputs, self._gradients(_format_inputs(inputs), target,
                                                  _forward_arguments(additional_forward_args)))
-
-
-class Gradient(InputGradient):
-    """Deprecated name of :class:`InputGradient` (it clashed with :class:`relprop.rules.Gradient`)."""
-
-    def __init__(self, forward_func: Callable[..., Any]):
-        warnings.warn("relprop: methods.Gradient is deprecated, use methods.InputGradient", DeprecationWarning,
-                      stacklevel=2)
-        super().__init__(forward_func)
-
-    @classmethod
-    def get_name(cls) -> str:
-        return InputGradient.get_name()
 
 
 class GradientXInput(_GradientMethod):
@@ -232,24 +218,13 @@ class IntegratedGradients(_GradientMethod):
     multiply_by_inputs : bool
         True: ``(input - baseline) * mean gradient`` (integrated gradients);
         False: the mean gradient along the path alone (captum's flag).
-    steps, baseline, chunk_size :
-        Deprecated: pass ``n_steps``, ``baselines``, ``internal_batch_size``
-        to :meth:`attribute`. Given here, they become its defaults with
-        ``method="riemann_middle"`` (the former fixed rule).
     """
 
-    def __init__(self, forward_func: Callable[..., Any], multiply_by_inputs: bool = True, *,
-                 steps: int | None = None, baseline: float | Tensor | None = None, chunk_size: int | None = None):
+    def __init__(self, forward_func: Callable[..., Any], multiply_by_inputs: bool = True):
         super().__init__(forward_func)
         self.multiplies_by_inputs = multiply_by_inputs
         self._defaults: dict[str, Any] = {"n_steps": 50, "method": "gausslegendre", "baselines": None,
                                           "internal_batch_size": None}
-        if steps is not None or baseline is not None or chunk_size is not None:
-            warnings.warn("relprop: IntegratedGradients(steps=, baseline=, chunk_size=) is deprecated; pass "
-                          "n_steps=, baselines=, internal_batch_size= (and method=) to attribute",
-                          DeprecationWarning, stacklevel=2)
-            self._defaults.update(n_steps=32 if steps is None else steps, method="riemann_middle",
-                                  baselines=baseline, internal_batch_size=chunk_size)
 
     @_captum_entry
     def attribute(self, inputs: Inputs, baselines: Any = None, target: Target = None,
