@@ -179,3 +179,57 @@ def test_bad_arguments_are_one_line_errors(arguments, message):
     with pytest.raises(ValueError, match=message) as caught:
         reference_samples(cnn(), [torch.rand(1, 28, 28, dtype=torch.float64)], **{"layers": LAYERS, **arguments})
     assert "\n" not in str(caught.value)
+
+
+# --- pictures ---------------------------------------------------------------------------------------------------
+
+def test_crops_lie_in_the_receptive_field_of_the_maximum(digits, in_memory):
+    from relprop.atlas import reference_crops
+
+    top = in_memory["features.3"]["relevance"]
+    crops = reference_crops(cnn(), digits, "features.3", top, 5, count=4, size=16, context=0.0)
+    for rank, crop in enumerate(crops):
+        # conv 3x3 pad 1, max-pool 2, conv 3x3 pad 1: the value at (i, j) depends on input rows 2i-3 ... 2i+4
+        i, j = top.position(5, rank)
+        upper, lower, left, right = crop.box
+        assert max(0, 2 * i - 3) <= upper < lower <= min(28, 2 * i + 5) and lower - upper <= 8
+        assert max(0, 2 * j - 3) <= left < right <= min(28, 2 * j + 5) and right - left <= 8
+        assert crop.sample == int(top.ids[5, rank]) and crop.image.shape == crop.heatmap.shape == (16, 16, 3)
+
+
+def test_atlas_pages_are_sorted_by_total_relevance(tmp_path, digits, in_memory):
+    from relprop.atlas import render_atlas, render_glocal
+
+    totals = in_memory["classifier.1"]["relevance"].totals
+    index = render_atlas(in_memory, cnn(), digits, "classifier.1", tmp_path, channels=[3, 9, 20], count=2, size=16)
+    page = index.read_text()
+    shown = sorted([3, 9, 20], key=lambda c: -float(totals[c]))
+    assert [page.index(f"channel-{c:04d}.png") for c in shown] == sorted(page.index(f"channel-{c:04d}.png")
+                                                                       for c in shown)
+    assert sorted(path.name for path in tmp_path.glob("*.png")) == [f"channel-{c:04d}.png" for c in (3, 9, 20)]
+    figure = render_glocal(cnn(), digits[0][0], in_memory, digits, "features.3", tmp_path / "glocal.png", n=2,
+                           count=2, size=16)
+    assert figure.stat().st_size > 0
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda render, result, digits: render(result, cnn(), digits, "features.9", "unused"),
+     "the concept result has no layer 'features.9'"),
+    (lambda render, result, digits: render({"features.3": {"activation": result["features.3"]["activation"]}},
+                                           cnn(), digits, "features.3", "unused"),
+     "was ranked by activation, not by 'relevance'"),
+    (lambda render, result, digits: render("/nonexistent/run", cnn(), digits, "features.3", "unused"),
+     "holds no finished concept run"),
+], ids=["layer", "mode", "folder"])
+def test_atlas_bad_input_is_a_one_line_error(digits, in_memory, call, message):
+    from relprop.atlas import render_atlas
+
+    with pytest.raises(ValueError, match=message):
+        call(render_atlas, in_memory, digits)
+
+
+def test_glocal_refuses_a_batch(tmp_path, digits, in_memory):
+    from relprop.atlas import render_glocal
+
+    with pytest.raises(ValueError, match=r"explains one image \(C, H, W\), got \(2, 1, 28, 28\)"):
+        render_glocal(cnn(), digits.tensors[0][:2], in_memory, digits, "features.3", tmp_path / "g.png")
