@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from . import viz
 from .attribution import LRP
-from .concepts import Result, TopSamples, load_reference_samples
+from .concepts import TopSamples, load_reference_samples
 from .dataset import batch_inputs
 from .layer import LayerLRP, _resolve
 
@@ -52,8 +52,9 @@ class Crop:
     overlay: np.ndarray
 
 
-def _source(source: str | Path | Mapping, layer: str, mode: str) -> tuple[Result, TopSamples]:
-    result = load_reference_samples(source) if isinstance(source, (str, Path)) else source
+def _source(source: str | Path | Mapping, layer: str, mode: str) -> tuple[Mapping[str, Mapping[str, TopSamples]],
+                                                                          TopSamples]:
+    result: Mapping = load_reference_samples(source) if isinstance(source, (str, Path)) else source
     if not isinstance(result, Mapping) or layer not in result:
         known = ", ".join(map(repr, result)) if isinstance(result, Mapping) else "none"
         raise ValueError(f"relprop: the concept result has no layer {layer!r} (it has {known})")
@@ -150,7 +151,7 @@ def reference_crops(model: nn.Module, dataset: Any, layer: str, top: TopSamples,
     return crops
 
 
-def _ranking(result: Result, layer: str, mode: str) -> tuple[str, Tensor]:
+def _ranking(result: Mapping[str, Mapping[str, TopSamples]], layer: str, mode: str) -> tuple[str, Tensor]:
     """What channels are sorted by (total relevance when it was computed) and the totals."""
     by = "relevance" if "relevance" in result[layer] else mode
     return by, result[layer][by].totals

@@ -157,15 +157,15 @@ class _Pass:
         for name in self.names:
             tensors[f"{name}|shape"] = torch.tensor(shapes[name], dtype=torch.long)
             for mode in self.modes:
-                values = torch.cat([part[0][name][mode][0] for part in parts]).T  # (C, n)
+                scores = torch.cat([part[0][name][mode][0] for part in parts]).T  # (C, n)
                 positions = torch.cat([part[0][name][mode][1] for part in parts]).T
-                channels = values.shape[0]
+                channels = scores.shape[0]
                 top_ids, top = _select(sample_ids.expand(channels, -1),
-                                       {"values": values, "positions": positions,
+                                       {"values": scores, "positions": positions,
                                         "targets": targets.expand(channels, -1)}, top_k)
                 tensors.update({f"{name}|{mode}|{field}": column for field, column in top.items()})
                 tensors[f"{name}|{mode}|ids"] = top_ids
-                tensors[f"{name}|{mode}|totals"] = values.double().sum(1)
+                tensors[f"{name}|{mode}|totals"] = scores.double().sum(1)
         return {key: value.cpu() for key, value in tensors.items()}
 
 
@@ -284,7 +284,12 @@ def load_reference_samples(out: str | Path) -> Result:
         metadata = handle.metadata() or {}
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     shapes, modes = json.loads(metadata["shapes"]), json.loads(metadata["modes"])
-    return {name: {mode: TopSamples(*(tensors[f"{name}|{mode}|{field}"] for field in (*_FIELDS, "totals")),
-                                    map_shape=tuple(shapes[name]))
-                   for mode in modes[name]} for name in shapes}
+
+    def top(name: str, mode: str) -> TopSamples:
+        key = f"{name}|{mode}|"
+        return TopSamples(ids=tensors[key + "ids"], values=tensors[key + "values"],
+                          positions=tensors[key + "positions"], targets=tensors[key + "targets"],
+                          totals=tensors[key + "totals"], map_shape=tuple(shapes[name]))
+
+    return {name: {mode: top(name, mode) for mode in modes[name]} for name in shapes}
 

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import sys
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -113,8 +114,8 @@ def _local(model: nn.Module) -> Iterator[nn.Module]:
             group.post_forward_mesh_info, group.reshard_after_backward, group.reduce_grads = forward, backward, reduce
         for module in sharded:
             module.reshard()
-        for module in training:
-            module.training = True
+        for flagged in training:
+            flagged.training = True
 
 
 class RunMismatch(ValueError):
@@ -152,27 +153,31 @@ def _tensor_bytes(tensor: Tensor) -> bytes:
 def describe(value: Any, depth: int = 0) -> str:
     """A text that changes exactly when a setting changes: tensors by hash, functions by code and captured values.
 
-    Used for the fingerprint of a run; objects are described by their class and attributes (``vars``),
-    modules (such as torchvision transforms) by their ``repr``.
+    Used for the fingerprint of a run. Objects are described by their class and attributes (``vars``) down
+    to a few levels, modules (such as torchvision transforms) by their ``repr``, Python modules by name.
     """
-    if depth > 8:
-        return "..."
     if isinstance(value, Tensor):
         return f"tensor(sha256:{_digest([_tensor_bytes(value)])})"
     if value is None or isinstance(value, (str, int, float, bool, complex)):
         return repr(value)
+    if isinstance(value, types.ModuleType):
+        return f"module {value.__name__}"
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if depth > 4:
+        return type(value).__qualname__
     if isinstance(value, (list, tuple, set, frozenset)):
         items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
         return "[" + ", ".join(describe(item, depth + 1) for item in items) + "]"
     if isinstance(value, Mapping):
         return "{" + ", ".join(f"{key!s}: {describe(item, depth + 1)}"
                                for key, item in sorted(value.items(), key=lambda pair: str(pair[0]))) + "}"
-    if isinstance(value, type):
-        return f"{value.__module__}.{value.__qualname__}"
     if isinstance(value, nn.Module):
         return repr(value)
-    code = getattr(value, "__code__", None)
-    if code is not None:  # a Python function: its code, constants and the values it captured
+    if isinstance(value, types.MethodType):
+        return f"{describe(value.__func__, depth)} of {describe(value.__self__, depth + 1)}"
+    if isinstance(value, types.FunctionType):  # its code, constants and the values it captured
+        code = value.__code__
         captured = [cell.cell_contents for cell in (value.__closure__ or ())]
         return (f"{value.__qualname__}(code sha256:{_digest([code.co_code, repr(code.co_consts).encode()])}, "
                 f"captured {describe(captured, depth + 1)})")
@@ -406,7 +411,7 @@ def explain_dataset(model: nn.Module, dataset: Any, out: str | Path, composite: 
     return index
 
 
-def batch_inputs(dataset: Any, ids: range, device: torch.device) -> tuple[Tensor, tuple]:
+def batch_inputs(dataset: Any, ids: Sequence[int], device: torch.device) -> tuple[Tensor, tuple]:
     """The inputs of samples ``ids`` stacked on ``device``, and their labels (None where an item has none)."""
     inputs, labels = zip(*(_sample(dataset, i) for i in ids))
     return torch.stack(inputs).to(device), labels
