@@ -1,5 +1,4 @@
 """The concept atlas: top-k reference samples equal a brute-force per-sample ranking, for any sharding."""
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ pytest.importorskip("safetensors")
 from relprop import LayerLRP  # noqa: E402
 from relprop.concepts import load_reference_samples, reference_samples  # noqa: E402
 from relprop.dataset import RunMismatch  # noqa: E402
+from test_dataset import environment  # noqa: E402
 
 TESTS = Path(__file__).parent
 LAYERS = ["features.3", "classifier.1"]  # a convolution (32 maps of 14x14) and a dense layer (64 units)
@@ -53,12 +53,12 @@ def brute_force(model: nn.Module, dataset, layer: str, mode: str, top_k: int, ta
                 channels = LayerLRP(model, layer, "epsilon-plus-flat").channel_relevance(x, target=chosen)[0]
                 assert torch.allclose(channels, values[-1], rtol=1e-12, atol=1e-15)
         else:
-            seen = []
-            handle = module.register_forward_hook(lambda m, i, output: seen.append(output.detach()))
+            handle = module.register_forward_hook(lambda m, i, output: setattr(m, "seen", output.detach()))
             with torch.no_grad():
                 model(x)
             handle.remove()
-            maximum = seen[0][0].reshape(seen[0].shape[1], -1).max(1)
+            seen = module.__dict__.pop("seen")
+            maximum = seen[0].reshape(seen.shape[1], -1).max(1)
             values.append(maximum.values)
             positions.append(maximum.indices)
         targets.append(chosen)
@@ -151,8 +151,7 @@ def test_interrupted_then_resumed_gives_the_same_result(tmp_path, digits, in_mem
 
 @pytest.mark.slow
 def test_torchrun_with_two_processes_equals_one(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = environment()
     job = [str(TESTS / "dataset_job.py")]
     one = subprocess.run([sys.executable, *job, str(tmp_path / "one"), "--concepts"], env=env, capture_output=True,
                          text=True, timeout=300)

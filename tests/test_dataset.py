@@ -17,8 +17,14 @@ TESTS = Path(__file__).parent
 JOB = TESTS / "dataset_job.py"
 
 
-def run(*command, timeout=300):
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
+def environment() -> dict[str, str]:
+    """This environment, with the tests folder (for dataset_job.py) in front of the PYTHONPATH already set."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1"}
+
+
+def run(*command, timeout=300, seed=None):
+    env = environment() if seed is None else {**environment(), "PYTHONHASHSEED": seed}
     return subprocess.run([str(c) for c in command], capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -58,7 +64,7 @@ def test_torchrun_with_two_processes_equals_one(tmp_path, single, wrapping):
 
 
 def test_killed_run_resumes_without_redoing_or_duplicating(tmp_path, single):
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    env = environment()
     process = subprocess.Popen([sys.executable, str(JOB), str(tmp_path), "0.25"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -197,3 +203,14 @@ def test_labels_are_targets_only_when_asked(tmp_path):
         explain(tmp_path / "bare", dataset=[x for x, _ in dataset], target="label")
     with pytest.raises(ValueError, match="target must be 'prediction', 'label' or a class index"):
         explain(tmp_path / "bad", target="labels")
+
+
+def test_the_fingerprint_is_the_same_in_another_process():
+    """No memory address, hash seed or object identity may enter it, else every resume would be refused."""
+    code = ("import json, torch; from relprop import composites; from relprop.dataset import fingerprint; "
+            "from test_dataset import tiny_model, tiny_data; "
+            "print(json.dumps([fingerprint(tiny_model(), tiny_data(), name, 'label', reduce=lambda r: r.sum(1)) "
+            "for name in composites.PRESETS if name != 'epsilon-gamma-box']))")
+    found = [run(sys.executable, "-c", code, seed=seed) for seed in ("1", "2")]
+    assert all(result.returncode == 0 for result in found), found[0].stderr
+    assert found[0].stdout == found[1].stdout and len(found[0].stdout) > 1000

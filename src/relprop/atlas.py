@@ -248,7 +248,7 @@ def render_glocal(model: nn.Module, x: Tensor, source: str | Path | Mapping, dat
     ``x`` is one image (C, H, W) or a batch of one; ``target`` the class (default: the prediction).
     ``out`` is the PNG file to write; returned.
     """
-    result, top = _source(source, layer, mode)
+    _, top = _source(source, layer, mode)
     if not isinstance(x, Tensor) or x.dim() not in (3, 4) or (x.dim() == 4 and x.shape[0] != 1):
         raise ValueError(f"relprop: the glocal figure explains one image (C, H, W), got "
                          f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")

@@ -282,7 +282,7 @@ def load_reference_samples(out: str | Path) -> Result:
         raise ValueError(f"relprop: {out} holds no finished concept run (no concepts.safetensors)")
     with safe_open(str(path), "pt") as handle:
         metadata = handle.metadata() or {}
-        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (safe_open is no dict)
     shapes, modes = json.loads(metadata["shapes"]), json.loads(metadata["modes"])
 
     def top(name: str, mode: str) -> TopSamples:

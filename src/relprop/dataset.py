@@ -177,13 +177,22 @@ def describe(value: Any, depth: int = 0) -> str:
     if isinstance(value, types.MethodType):
         return f"{describe(value.__func__, depth)} of {describe(value.__self__, depth + 1)}"
     if isinstance(value, types.FunctionType):  # its code, constants and the values it captured
-        code = value.__code__
         captured = [cell.cell_contents for cell in (value.__closure__ or ())]
-        return (f"{value.__qualname__}(code sha256:{_digest([code.co_code, repr(code.co_consts).encode()])}, "
+        return (f"{value.__qualname__}(code sha256:{_digest(_code_bytes(value.__code__))}, "
                 f"captured {describe(captured, depth + 1)})")
     if hasattr(value, "__dict__"):
         return f"{type(value).__qualname__}({describe(vars(value), depth + 1)})"
     return repr(value)
+
+
+def _code_bytes(code: types.CodeType) -> Iterator[bytes]:
+    """The bytecode and constants of a function, nested functions included (their repr holds an address)."""
+    yield code.co_code
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _code_bytes(constant)
+        else:
+            yield repr(constant).encode()
 
 
 def _model_hash(model: nn.Module) -> str:
