@@ -232,3 +232,13 @@ def test_glocal_refuses_a_batch(tmp_path, digits, in_memory):
 
     with pytest.raises(ValueError, match=r"explains one image \(C, H, W\), got \(2, 1, 28, 28\)"):
         render_glocal(cnn(), digits.tensors[0][:2], in_memory, digits, "features.3", tmp_path / "g.png")
+
+
+def test_crops_refuse_bad_sizes_and_channels(digits, in_memory):
+    from relprop.atlas import reference_crops
+
+    top = in_memory["features.3"]["activation"]
+    with pytest.raises(ValueError, match="layer 'features.3' has 32 channels, no channel 32"):
+        reference_crops(cnn(), digits, "features.3", top, 32)
+    with pytest.raises(ValueError, match="size >= 1, count >= 1 and 0 <= context <= 1, got size=0"):
+        reference_crops(cnn(), digits, "features.3", top, 0, size=0)

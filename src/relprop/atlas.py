@@ -124,6 +124,9 @@ def reference_crops(model: nn.Module, dataset: Any, layer: str, top: TopSamples,
     small receptive field is seen in its surroundings; it is resized to ``size`` pixels.
     """
     channels = top.ids.shape[0]
+    if size < 1 or (count is not None and count < 1) or not 0.0 <= context <= 1.0:
+        raise ValueError(f"relprop: reference crops need size >= 1, count >= 1 and 0 <= context <= 1, got "
+                         f"size={size}, count={count}, context={context}")
     if not -channels <= channel < channels:
         raise ValueError(f"relprop: layer {layer!r} has {channels} channels, no channel {channel}")
     count = top.ids.shape[1] if count is None else min(count, top.ids.shape[1])
