@@ -214,7 +214,10 @@ def reference_samples(model: nn.Module, dataset: Any, layers: str | Sequence[str
     dataset : map-style dataset or DataLoader
         Items are input tensors or ``(input, label, ...)`` tuples.
     layers : dotted module name or list of them
-        Each must output one tensor, once per forward pass; channels along dimension 1.
+        Each must output one tensor, once per forward pass; channels along dimension 1. As with
+        :class:`relprop.LayerLRP`, the relevance of a convolution or dense layer that a BatchNorm
+        follows is taken at the BatchNorm's output (merged), its activation at the layer's own output;
+        name the BatchNorm (or the block) to rank both on the same tensor.
     composite :
         As for :class:`relprop.LRP`.
     top_k : int
