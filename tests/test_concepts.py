@@ -242,3 +242,21 @@ def test_crops_refuse_bad_sizes_and_channels(digits, in_memory):
         reference_crops(cnn(), digits, "features.3", top, 32)
     with pytest.raises(ValueError, match="size >= 1, count >= 1 and 0 <= context <= 1, got size=0"):
         reference_crops(cnn(), digits, "features.3", top, 0, size=0)
+
+
+def test_the_default_layers_of_a_resnet():
+    """layer3 and layer4 of torchvision's ResNet-18 (residual stages, in-place ReLUs) in one pass equal LayerLRP's."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5).double().eval()
+    images = [torch.rand(3, 32, 32, dtype=torch.float64) for _ in range(6)]
+    result = reference_samples(model, images, top_k=6, batch_size=4, shard_size=4)
+    with torch.no_grad():
+        prediction = model(torch.stack(images)).argmax(1).tolist()
+    for layer in ("layer3", "layer4"):
+        maps = LayerLRP(model, layer, "epsilon-plus-flat").attribute(torch.stack(images), target=prediction)
+        expected = maps.flatten(2).sum(2).T  # (C, N)
+        top = result[layer]["relevance"]
+        assert torch.allclose(top.values, expected.gather(1, top.ids), rtol=1e-9, atol=1e-12)
+        assert torch.allclose(top.totals, expected.sum(1), rtol=1e-9, atol=1e-12)
+        assert (top.values[:, :-1] >= top.values[:, 1:]).all()
