@@ -1,6 +1,8 @@
-"""A small dataset job for the scale-out tests: ``python dataset_job.py OUT [SECONDS_PER_BATCH] [--wrap=ddp|fsdp]``.
+"""A small dataset job for the scale-out tests: ``python dataset_job.py OUT [SECONDS_PER_BATCH] [--wrap=ddp|fsdp]
+[--concepts]``.
 
-Run it directly (one process) or under ``torchrun`` (several). With ``--wrap``
+Run it directly (one process) or under ``torchrun`` (several). With ``--concepts`` it runs
+``relprop.concepts.reference_samples`` into OUT instead of ``explain_dataset``. With ``--wrap``
 the model is wrapped in DistributedDataParallel, or its layers and itself are
 sharded with FSDP2's ``fully_shard``; the job then checks that the model is in
 training mode, and sharded, as before after the run.
@@ -11,6 +13,7 @@ import time
 import torch
 from torch import nn
 
+from relprop.concepts import reference_samples
 from relprop.dataset import explain_dataset
 
 
@@ -70,11 +73,15 @@ def sharded(network: nn.Module) -> bool:
 
 if __name__ == "__main__":
     how = next((argument.split("=")[1] for argument in sys.argv if argument.startswith("--wrap=")), None)
-    arguments = [argument for argument in sys.argv[1:] if not argument.startswith("--wrap=")]
+    arguments = [argument for argument in sys.argv[1:] if not argument.startswith("--")]
     seconds = float(arguments[1]) if len(arguments) > 1 else 0.0
     network = wrapped(model(seconds), how) if how else model(seconds)
-    explain_dataset(network, Noise(), arguments[0], composite="epsilon-plus", batch_size=4, shard_size=8,
-                    target="label", progress=False)
+    if "--concepts" in sys.argv:
+        reference_samples(network, Noise(), ["1", "4"], composite="epsilon-plus", top_k=5, batch_size=4,
+                          shard_size=8, out=arguments[0])
+    else:
+        explain_dataset(network, Noise(), arguments[0], composite="epsilon-plus", batch_size=4, shard_size=8,
+                        target="label", progress=False)
     if how:
         assert all(module.training for module in network.modules()), "training flags not restored"
     if how == "fsdp":

@@ -298,3 +298,59 @@ def test_exponential_weights_take_no_relevance(preset):
     x = torch.randn(2, 3, 4, dtype=torch.float64)
     relevance = relprop.LRP(model, preset).attribute(x, target=0)
     torch.testing.assert_close(relevance.sum((1, 2)), model(x)[:, 0].detach(), rtol=1e-10, atol=0)
+
+
+class _Router(nn.Module):
+    """A mixture-of-experts router: softmax weights, the top ones kept or renormalised, gating an expert."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.gate, self.expert = nn.Linear(4, 3, bias=False), nn.Linear(4, 4, bias=False)
+        self.out = nn.Linear(4, 1, bias=False)
+
+    def forward(self, x):
+        weights = torch.softmax(self.gate(x), -1)
+        if self.how == "topk":
+            weights, _ = torch.topk(weights, 2, -1)
+        elif self.how == "renormalised":
+            weights = weights / weights.sum(-1, keepdim=True)
+        else:  # PhiMoE's sparsemixer: the chosen weight scattered into a zero mask
+            weights = torch.zeros_like(weights).scatter(-1, weights.argmax(-1, keepdim=True), weights.amax(-1, True))
+        return self.out(self.expert(x) * weights[:, :1].clone())
+
+
+@pytest.mark.parametrize("how", ["topk", "renormalised", "scatter"])
+def test_router_weights_stay_gates_under_cp_lrp(how):
+    """The expert's output takes all the relevance (was 0.53-0.69 of f: the router took a share)."""
+    model = _Router(how).double().eval()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    relevance = relprop.LRP(model, "cp-lrp").attribute(x, target=0)
+    torch.testing.assert_close(relevance.sum(1), model(x)[:, 0].detach(), rtol=1e-10, atol=1e-14)
+
+
+class _CrossAttention(nn.Module):
+    """Attention whose query is made from constants (a decoder's own tokens, not explained): eager or fused."""
+
+    def __init__(self, fused: bool):
+        super().__init__()
+        self.fused = fused
+        self.k, self.v, self.o = (nn.Linear(8, 8, bias=False) for _ in range(3))
+        self.query = nn.Parameter(torch.randn(1, 1, 3, 8))
+
+    def forward(self, x):
+        q, k, v = self.query.expand(x.shape[0], 1, 3, 8), self.k(x)[:, None], self.v(x)[:, None]
+        if self.fused:
+            attended = F.scaled_dot_product_attention(q, k, v)
+        else:
+            attended = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, -1) @ v
+        return self.o(attended[:, 0].sum(1))
+
+
+def test_fused_attention_with_a_constant_query_equals_eager():
+    """The keys take all of q k^T's relevance when the query is a constant (was half: T5 eager != SDPA by 15%)."""
+    eager, fused = _CrossAttention(False).double().eval(), _CrossAttention(True).double().eval()
+    fused.load_state_dict(eager.state_dict())
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    expected, actual = (relprop.LRP(m, "attnlrp").attribute(x, target=0) for m in (eager, fused))
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-14)

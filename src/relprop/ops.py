@@ -127,14 +127,20 @@ def _combine(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any
 
     The relevance of a learned token concatenated to the activations (a
     ViT's class token) stops at that constant, like a bias's share: as a
-    node, the op shows it in the audit as absorbed.
+    node, the op shows it in the audit as absorbed. Gates combined with gates
+    or constants stay gates (PhiMoE's router weight scattered into zeros).
     """
     tensors = [value for value in (*args, *kwargs.values()) for value in
                (value if isinstance(value, (list, tuple)) else (value,)) if isinstance(value, Tensor)]
+    tags = {session.tags.get(t) for t in tensors if is_activation(t)}
     if all(is_activation(t) or t.dtype == torch.bool for t in tensors):
-        return _run(session, func, args, kwargs)
-    return session.run(OpCall("sum", func, args, kwargs, op_name(func), session.module_name), _ROUTES,
-                       "routing with constants")
+        out = _run(session, func, args, kwargs)
+    else:
+        out = session.run(OpCall("sum", func, args, kwargs, op_name(func), session.module_name), _ROUTES,
+                          "routing with constants")
+    if len(tags) == 1 and (tag := tags.pop()) is not None:
+        _tag(session, out, tag)
+    return out
 
 
 def _tag(session: Session, out: Any, tag: str) -> None:
@@ -142,7 +148,7 @@ def _tag(session: Session, out: Any, tag: str) -> None:
     if isinstance(out, Tensor):
         if out.requires_grad:
             session.tags[out] = tag
-    elif type(out) in (tuple, list):
+    elif isinstance(out, (tuple, list)):  # named tuples too: topk's values stay gates (a MoE router's weights)
         for value in out:
             _tag(session, value, tag)
 
@@ -609,7 +615,7 @@ def _product(matrix: bool, divide: bool = False) -> Handler:
             call.kind = "sum"
         elif divide:  # the divisor (the second argument) is a constant scaling of the numerator
             call.factors = tuple("divisor" if a is args[1] else None for a in call.activations)
-            if call.factors == (None,):
+            if call.factors[0] is None:  # a tagged numerator keeps its tag: a renormalised gate is a gate
                 scaled = session.tags.get(call.activations[0])
         else:
             call.factors = tuple(session.tags.get(a) for a in call.activations)
@@ -690,14 +696,17 @@ class AttentionCall(OpCall):
             scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
         weights = torch.softmax(scores, -1)
         scaled = relevance * inverse_denominator(weights @ v_, epsilon)
-        share = 1.0 if values_only else 0.5
-        found = {"value": share * v_ * (weights.transpose(-2, -1) @ scaled)}
+        # each product splits its relevance over its activation factors: q or k alone (a decoder's query made
+        # from constants, in cross-attention) takes all of q k^T's, and values next to constant weights all
+        scoring = [role for role in ("query", "key") if role in self._roles]
+        values_only = values_only or not scoring
+        found = {"value": (1.0 if values_only else 0.5) * v_ * (weights.transpose(-2, -1) @ scaled)}
         if not values_only:
             r_weights = 0.5 * weights * (scaled @ v_.transpose(-2, -1))
             # softmax rule, then the scale and the mask as constants: relevance per score over q k^T
-            taylor = scale * (r_weights - weights * r_weights.sum(-1, keepdim=True))
-            found["query"] = 0.5 * q * (taylor @ k_)
-            found["key"] = 0.5 * k_ * (taylor.transpose(-2, -1) @ q)
+            taylor = scale * (r_weights - weights * r_weights.sum(-1, keepdim=True)) / len(scoring)
+            found["query"] = q * (taylor @ k_)
+            found["key"] = k_ * (taylor.transpose(-2, -1) @ q)
         if groups > 1:
             for key in ("key", "value"):
                 if key in found:
@@ -832,7 +841,7 @@ _register(
                "max_pool2d_with_indices max_pool3d_with_indices"),
     [_T.T.__get__, _T.mT.__get__, _T.data.__get__],  # type: ignore[attr-defined]
 )
-_COMBINING = "cat concat concatenate stack hstack vstack dstack where"
+_COMBINING = "cat concat concatenate stack hstack vstack dstack where scatter index_copy masked_scatter"
 _register(_combine, _lookup(torch, _COMBINING), _lookup(_T, _COMBINING))
 # metadata, comparisons and other outputs without a gradient: nothing to propagate
 _NO_RELEVANCE = ("dim ndimension size numel nelement element_size stride storage_offset is_contiguous "
