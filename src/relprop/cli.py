@@ -313,10 +313,10 @@ def load_model(spec: str, weights: str | None = None, random_weights: bool = Fal
 
 
 def _predict(model: nn.Module, inputs: Tensor, explainer: LRP | None = None) -> Any:
-    """The model's output (or ``explainer.forward``), with a shape error turned into advice on the flags."""
+    """The model's output (or ``explainer.record``), with a shape error turned into advice on the flags."""
     try:
         if explainer is not None:
-            return explainer.forward(inputs)
+            return explainer.record(inputs)
         with torch.no_grad():
             return model_logits(model(inputs))
     except RuntimeError as error:

@@ -325,10 +325,11 @@ def _sample(dataset: Any, index: int) -> tuple[Tensor, Any]:
 
 
 def _save_atomically(tensors: dict[str, Tensor], metadata: dict[str, str], path: Path) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({key: value.contiguous().cpu() for key, value in tensors.items()}, str(temporary), metadata)
+    # written as bytes, so that the shard gets the usual permissions (safetensors' save_file makes files 0600)
+    temporary.write_bytes(save({key: value.contiguous().cpu() for key, value in tensors.items()}, metadata))
     os.replace(temporary, path)  # atomic on POSIX: the shard is complete, or absent
 
 
@@ -430,7 +431,7 @@ def _explain_batch(lrp: LRP, dataset: Any, ids: range, device: torch.device, tar
                    reduce: Callable[[Tensor], Tensor] | None) -> dict[str, Tensor]:
     """One batch of samples explained: the tensors a shard stores for them."""
     inputs, labels = batch_inputs(dataset, ids, device)
-    explained = lrp.forward(inputs)
+    explained = lrp.record(inputs)
     prediction = explained.logits.detach().argmax(1)
     chosen = _targets(target, prediction, labels)
     (relevance,) = explained.relevance(output_relevance(explained.logits, chosen))
