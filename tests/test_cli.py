@@ -1,5 +1,4 @@
 """The ``relprop`` command, end to end: the installed entry point run in a subprocess, as a user runs it."""
-import inspect
 import json
 import os
 import signal
@@ -136,11 +135,6 @@ def test_explain_text_with_a_local_hugging_face_folder(tmp_path):
     assert "\x1b[" not in result.stdout  # no terminal colour codes into a pipe
 
 
-needs_overwrite = pytest.mark.skipif("overwrite" not in inspect.signature(relprop.explain_dataset).parameters,
-                                     reason="relprop.explain_dataset has no overwrite= yet (the data branch adds it)")
-
-
-@needs_overwrite
 def test_explain_dataset_writes_shards_resumes_and_refuses_another_run(tmp_path):
     from relprop.dataset import load_shard, read_index
 
@@ -166,7 +160,6 @@ def test_explain_dataset_writes_shards_resumes_and_refuses_another_run(tmp_path)
     assert load_shard(tmp_path / "shards" / "shard-000000.safetensors")["relevance"].shape == (1, 1, 28, 28)
 
 
-@needs_overwrite
 def test_explain_dataset_target_label_needs_class_folders(tmp_path, digits):
     result = relprop_run("explain-dataset", tmp_path, *MNIST, "--target", "label", "--out", tmp_path / "shards",
                          cwd=tmp_path)
@@ -335,3 +328,15 @@ def test_demo_runs(tmp_path):
     scores = json.loads((tmp_path / "demo" / "aopc.json").read_text())["aopc"]
     assert set(scores) == {"regions", "pixels"}
     assert all(set(by_method) >= {"random", "Gradient", "LRP epsilon"} for by_method in scores.values())
+
+
+def test_atlas_writes_one_picture_per_channel_and_an_index(tmp_path):
+    for label in range(4):
+        digit(tmp_path / "images" / f"{label}.png", label)
+    run = ("atlas", tmp_path / "images", *MNIST, "--layer", "features.3", "--top-k", 2, "--out", tmp_path / "atlas")
+    result = relprop_run(*run, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    pictures = sorted((tmp_path / "atlas").glob("channel-*.png"))
+    assert len(pictures) == 32 and (tmp_path / "atlas" / "index.html").exists()  # features.3 has 32 channels
+    wrong = relprop_run(*run[:-2], "--layer", "nothing", "--out", tmp_path / "other", cwd=tmp_path)
+    assert wrong.returncode == 2 and len(wrong.stderr.splitlines()) == 1 and "no module 'nothing'" in wrong.stderr

@@ -709,6 +709,54 @@ def explain_dataset_command(folder: str, model: str, weights: str | None, random
     click.echo(f"{len(dataset)} images -> {index}")
 
 
+@app.command("atlas")
+@click.argument("folder", type=click.Path())
+@model_options
+@preset_option
+@image_options
+@out_option("atlas")
+@click.option("--layer", required=True, help="Module path of the layer whose channels are the concepts.")
+@click.option("--mode", type=click.Choice(["relevance", "activation"]), default="relevance", show_default=True,
+              help="Reference samples by a channel's relevance (RelMax) or its activation (ActMax).")
+@click.option("--top-k", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Reference samples kept per channel.")
+@click.option("--target", default="prediction", callback=_dataset_target,
+              help="prediction (each image's top class), label (its class subfolder) or a class index.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Images explained together.")
+@click.option("--overwrite", is_flag=True, help="Start afresh instead of resuming a run in --out.")
+def atlas_command(folder: str, model: str, weights: str | None, random_weights: bool, preset: str, size: int,
+                  channels: int, normalize: str | None, out: Path, layer: str, mode: str, top_k: int,
+                  target: int | str, batch_size: int, overwrite: bool) -> None:
+    """A concept atlas of one layer over the images below FOLDER: the top-k images of every channel.
+
+    The reference samples are found resumably in --out/run (the fingerprinted runner of
+    explain-dataset); --out/index.html lists the channels by total relevance, each with
+    its top images, cropped where the channel acts, and their values.
+    """
+    importlib.import_module("safetensors")  # the run's shards need it: fail before any work, naming the extra
+    dataset = _ImageFolder(folder, size, normalize, channels)
+    if target == "label" and dataset.labels is None:
+        raise CommandError(f"--target label needs every image in a class subfolder (FOLDER/CLASS/IMAGE); {folder} "
+                           "has images directly in it")
+    network = load_model(model, weights, random_weights)
+    if layer not in dict(network.named_modules()):
+        raise CommandError(f"no module {layer!r} in the model; its top-level modules: "
+                           f"{', '.join(name for name, _ in network.named_children())}")
+    from .atlas import render_atlas
+    from .concepts import reference_samples
+    from .dataset import RunMismatch
+    composite = _composite(preset, normalize, channels)
+    try:
+        reference_samples(network, dataset, layers=[layer], composite=composite, top_k=top_k, modes=(mode,),
+                          target=None if target == "prediction" else target, batch_size=batch_size,
+                          out=out / "run", overwrite=overwrite)
+    except RunMismatch as error:
+        raise CommandError(f"{str(error).removeprefix('relprop: ')} (on the command line: --overwrite)") from None
+    index = render_atlas(out / "run", network, dataset, layer, out, mode=mode, composite=composite)
+    click.echo(f"{len(dataset)} images -> {index}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> int:
