@@ -15,6 +15,7 @@ inside the model, concepts), :mod:`relprop.audit` (a per-op account).
 from . import composites, rules
 from .attribution import LRP, Contrastive, model_logits, output_relevance
 from .audit import Audit, audit
+from .bilrp import BiLRP
 from .composites import Composite
 from .dataset import explain_dataset
 from .engine import RuleError, UnhandledOpWarning, UnsupportedOpError
@@ -23,6 +24,6 @@ from .layer import LayerLRP, ModuleRelevance, module_relevance
 __all__ = [
     "LRP", "LayerLRP", "Contrastive", "explain_dataset", "module_relevance", "ModuleRelevance", "audit", "Audit",
     "Composite", "composites", "rules", "output_relevance", "model_logits",
-    "RuleError", "UnsupportedOpError", "UnhandledOpWarning",
+    "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "BiLRP",
 ]
 __version__ = "0.1.0"
