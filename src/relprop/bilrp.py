@@ -37,6 +37,7 @@ class _CallableEmbedding(nn.Module):
 
     def __init__(self, function: Callable[..., Any], modules: dict[str, nn.Module]):
         super().__init__()
+        self.training = False  # the wrapper's own flag only: the user's modules keep theirs
         self.function = function
         for name, module in modules.items():
             self.add_module(name, module)
