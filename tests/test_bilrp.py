@@ -138,3 +138,30 @@ def test_bad_input_is_refused_with_the_problem_named():
         relprop.BiLRP(model, max_batch=0)
     with pytest.raises(TypeError, match="ran no torch.nn.Module"):
         relprop.BiLRP(lambda v: v.flatten(1)).attribute(x, x2)
+
+
+def test_pair_pictures_show_the_strongest_pairs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from relprop import pairplot
+
+    pairs = torch.zeros(3, 4, dtype=torch.float64)
+    pairs[1, 2], pairs[0, 3], pairs[2, 0] = 2.0, -3.0, 0.5
+    assert pairplot.strongest_pairs(pairs, 2) == [(0, 3, -3.0), (1, 2, 2.0)]
+    tokens, other = ["a", "<b>", "c"], ["w", "x", "y", "z"]
+    svg = pairplot.token_lines_html(tokens, other, pairs, top=2)
+    assert svg.count("<line") == 2 and "&lt;b&gt;" in svg and "<b>" not in svg
+    assert 'stroke="#1f5fd6" stroke-width="6.0"' in svg  # the strongest, negative pair: blue, widest
+    table = pairplot.token_matrix_html(tokens, other, pairs)
+    assert table.count("<td") == 12 and "rgb(0, 0, 255)" in table  # -max is full blue
+    for draw in (pairplot.token_matrix, pairplot.token_lines):
+        path = draw(tokens, other, pairs, tmp_path / f"{draw.__name__}.png")
+        width, height = Image.open(path).size
+        assert 100 < width < 2000 and 100 < height < 2000
+    with pytest.raises(ValueError, match="does not match 2 and 4 tokens"):
+        pairplot.token_matrix(tokens[:2], other, pairs, tmp_path / "bad.png")
+    grid = torch.zeros(2, 2, 2, 2)
+    grid[0, 1, 1, 0] = 1.0
+    path = pairplot.image_pair(torch.rand(1, 8, 8), torch.rand(8, 8), grid, tmp_path / "images.png", top=1)
+    assert Image.open(path).size[0] > 300
