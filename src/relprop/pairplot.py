@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
+from matplotlib.figure import Figure
 from torch import Tensor
 
 from . import viz
@@ -37,13 +37,14 @@ def _check_tokens(tokens: Sequence[str], other: Sequence[str], matrix: np.ndarra
 
 
 def strongest_pairs(pairs: Tensor | np.ndarray, count: int) -> list[tuple[int, int, float]]:
-    """The ``count`` pairs ``(i, j, relevance)`` of a 2-D pair relevance with the largest absolute value."""
+    """The ``count`` pairs ``(i, j, relevance)`` of a 2-D pair relevance with the largest absolute value (not 0)."""
     matrix = _matrix(pairs)
     order = np.argsort(-np.abs(matrix), axis=None, kind="stable")[:count]
-    return [(int(i), int(j), float(matrix[i, j])) for i, j in zip(*np.unravel_index(order, matrix.shape))]
+    return [(int(i), int(j), float(matrix[i, j])) for i, j in zip(*np.unravel_index(order, matrix.shape))
+            if matrix[i, j] != 0]
 
 
-def _save(figure, path: str | Path) -> Path:
+def _save(figure: Figure, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=130, bbox_inches="tight")
@@ -128,8 +129,9 @@ def token_lines(tokens: Sequence[str], other: Sequence[str], pairs: Tensor | np.
         colour = _POSITIVE if value > 0 else _NEGATIVE
         axis.plot([x1[i], x2[j]], [1.0, 0.1], color=colour, linewidth=0.8 + 4.2 * strength,
                   alpha=0.35 + 0.6 * strength, solid_capstyle="round")
-        if rank < labelled:  # values of the strongest few only, at the middle of their lines, so they stay apart
-            axis.text((x1[i] + x2[j]) / 2, 0.55, f"{value:+.2f}", fontsize=8, color=colour, ha="center",
+        if rank < labelled:  # values of the strongest few only, each at its own height, so they stay apart
+            along = 0.3 + 0.4 * rank / max(labelled - 1, 1)
+            axis.text(x1[i] + along * (x2[j] - x1[i]), 1.0 - along * 0.9, f"{value:+.2f}", fontsize=8, color=colour, ha="center",
                       va="center", bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": colour})
     if title:
         axis.set_title(title, fontsize=9)
