@@ -95,6 +95,14 @@ def test_callable_embedding_finds_the_modules_it_runs():
     assert torch.allclose(through_callable, as_module, rtol=0, atol=1e-12)
     plain = relprop.BiLRP(nn.Sequential(model, head).eval(), LRP0).attribute(x, x2)
     assert not torch.allclose(through_callable, plain, atol=1e-3)  # the layer_map rule did apply
+    # the modules are named as the callable names them: a name_map pattern 'head' finds the head
+    named = Epsilon(0.0, name_map={"head": relprop.rules.ZPlus()})
+    wrapped = nn.Module().eval()
+    wrapped.model, wrapped.head = model, head
+    wrapped.forward = lambda v: wrapped.head(wrapped.model(v))
+    expected = relprop.BiLRP(wrapped, named).attribute(x, x2)
+    assert torch.allclose(relprop.BiLRP(lambda v: head(model(v)), named).attribute(x, x2), expected, atol=1e-12)
+    assert not torch.allclose(expected, plain, atol=1e-3)
 
 
 class TokenEmbedder(nn.Module):
