@@ -172,7 +172,8 @@ def deletion_scores(embed: nn.Module, explained: Explanation, k: int, pad_id: in
     choices = [chosen_pairs(explained, order, k, generator) for order in ORDERS[:-1]]
     choices += [chosen_pairs(explained, "random", k, generator) for _ in range(draws)]
     removals = [({i for i, _ in chosen}, {j for _, j in chosen}) for chosen in choices]
-    removals += [removal for chosen in choices for i, j in chosen for removal in (({i}, set()), (set(), {j}), ({i}, {j}))]
+    removals += [removal for chosen in choices for i, j in chosen
+                 for removal in (({i}, set()), (set(), {j}), ({i}, {j}))]
     values = similarity_without(embed, explained, removals, pad_id)
     drops, singles = explained.similarity - values[:len(choices)], values[len(choices):].reshape(-1, 3)
     interactions = explained.similarity - singles[:, 0] - singles[:, 1] + singles[:, 2]

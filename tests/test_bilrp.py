@@ -140,8 +140,8 @@ def test_bad_input_is_refused_with_the_problem_named():
     with pytest.raises(ValueError, match="shape \\(batch, dimensions\\)"):
         relprop.BiLRP(nn.Conv2d(2, 3, 1).double()).attribute(x, x2)
     with pytest.raises(ValueError, match="batch first"):
-        relprop.BiLRP(TokenEmbedder()).attribute(torch.zeros(3, 4, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long),
-                                                 (torch.ones(4),), (torch.ones(3, 4),))
+        ids = torch.zeros(3, 4, dtype=torch.long)
+        relprop.BiLRP(TokenEmbedder()).attribute(ids, ids, (torch.ones(4),), (torch.ones(3, 4),))
     with pytest.raises(ValueError, match="max_batch"):
         relprop.BiLRP(model, max_batch=0)
     with pytest.raises(TypeError, match="ran no torch.nn.Module"):

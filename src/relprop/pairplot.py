@@ -131,8 +131,9 @@ def token_lines(tokens: Sequence[str], other: Sequence[str], pairs: Tensor | np.
                   alpha=0.35 + 0.6 * strength, solid_capstyle="round")
         if rank < labelled:  # values of the strongest few only, each at its own height, so they stay apart
             along = 0.3 + 0.4 * rank / max(labelled - 1, 1)
-            axis.text(x1[i] + along * (x2[j] - x1[i]), 1.0 - along * 0.9, f"{value:+.2f}", fontsize=8, color=colour, ha="center",
-                      va="center", bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": colour})
+            axis.text(x1[i] + along * (x2[j] - x1[i]), 1.0 - along * 0.9, f"{value:+.2f}", fontsize=8, color=colour,
+                      ha="center", va="center",
+                      bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": colour})
     if title:
         axis.set_title(title, fontsize=9)
     return _save(figure, path)
