@@ -105,6 +105,15 @@ def test_callable_embedding_finds_the_modules_it_runs():
     assert not torch.allclose(expected, plain, atol=1e-3)
 
 
+def test_a_model_in_training_mode_is_explained_in_eval_mode_and_left_as_it_was():
+    model, x, x2 = model_and_pair()
+    dropped = nn.Sequential(model, nn.Dropout(0.5)).train()
+    with pytest.warns(UserWarning, match="training mode"):
+        pairs = relprop.BiLRP(lambda v: dropped(v), LRP0).attribute(x, x2)
+    assert all(module.training for module in dropped.modules())
+    assert torch.allclose(pairs.flatten(1).sum(1), (model(x) * model(x2)).sum(1), rtol=0, atol=1e-8)
+
+
 class TokenEmbedder(nn.Module):
     """Token embedding, a bias-free ReLU MLP per token and a masked mean over tokens."""
 

@@ -69,6 +69,19 @@ def _outermost_modules() -> Iterator[list[nn.Module]]:
             handle.remove()
 
 
+@contextmanager
+def _evaluation(module: nn.Module) -> Iterator[None]:
+    """The module and its submodules in eval mode for the block; their flags are as before afterwards."""
+    training = [submodule for submodule in module.modules() if submodule.training]
+    try:
+        for submodule in training:
+            submodule.training = False
+        yield
+    finally:
+        for submodule in training:
+            submodule.training = True
+
+
 def _referenced_names(function: Any) -> dict[int, str]:
     """Names under which ``function`` refers to objects: closure variables, globals, defaults, partials."""
     names: dict[int, str] = {}
@@ -149,15 +162,18 @@ class BiLRP:
     # ------------------------------------------------------------------ embeddings
 
     def embedding(self, x: Tensor, additional_forward_args: Any = None) -> Tensor:
-        """``phi(x)`` of shape ``(B, D)``, computed without rules and without gradients."""
+        """``phi(x)`` of shape ``(B, D)``, computed without rules and without gradients, in eval mode.
+
+        A callable ``embed`` runs once more on its first call, to find its modules.
+        """
         args, kwargs = _arguments(additional_forward_args)
         with torch.no_grad():
-            if self._module is not None:
+            if self._module is None:
+                with _outermost_modules() as found:
+                    self.embed(x, *args, **kwargs)
+                self._module = self._wrap(found)
+            with _evaluation(self._module):  # as the attributions see it (dropout off), which warn about it
                 return self._checked(model_logits(self._module(x, *args, **kwargs)), x)
-            with _outermost_modules() as found:
-                output = self.embed(x, *args, **kwargs)
-            self._module = self._wrap(found)
-            return self._checked(model_logits(output), x)
 
     def similarity(self, x: Tensor, x2: Tensor, additional_forward_args: Any = None,
                    additional_forward_args2: Any = None) -> Tensor:
