@@ -182,3 +182,15 @@ def test_pair_pictures_show_the_strongest_pairs(tmp_path):
     grid[0, 1, 1, 0] = 1.0
     path = pairplot.image_pair(torch.rand(1, 8, 8), torch.rand(8, 8), grid, tmp_path / "images.png", top=1)
     assert Image.open(path).size[0] > 300
+
+
+def test_a_callable_that_runs_part_of_a_model_names_it_by_the_model():
+    model, x, x2 = model_and_pair()
+    named = Epsilon(0.0, name_map={"model.fc": relprop.rules.ZPlus()})
+
+    def features(v):
+        return model.fc(F.relu(model.conv2(F.relu(model.conv1(v)))).flatten(1))  # the modules, not the model
+
+    expected = relprop.BiLRP(model, Epsilon(0.0, name_map={"fc": relprop.rules.ZPlus()})).attribute(x, x2)
+    assert torch.allclose(relprop.BiLRP(features, named).attribute(x, x2), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(expected, relprop.BiLRP(model, LRP0).attribute(x, x2), atol=1e-3)  # ZPlus applied

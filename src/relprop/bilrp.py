@@ -82,30 +82,37 @@ def _evaluation(module: nn.Module) -> Iterator[None]:
             submodule.training = True
 
 
-def _referenced_names(function: Any) -> dict[int, str]:
-    """Names under which ``function`` refers to objects: closure variables, globals, defaults, partials."""
-    names: dict[int, str] = {}
+def _referenced_modules(function: Any) -> list[tuple[str, nn.Module]]:
+    """Modules ``function`` refers to by name: closure variables, globals, defaults, a bound method's owner."""
+    found: list[tuple[str, Any]] = []
     code = getattr(function, "__code__", None)
     if code is not None:
         for name, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
             try:
-                names.setdefault(id(cell.cell_contents), name)
+                found.append((name, cell.cell_contents))
             except ValueError:  # an empty cell
                 pass
         scope = getattr(function, "__globals__", {})
-        for name in code.co_names:
-            if name in scope:
-                names.setdefault(id(scope[name]), name)
-    owner = getattr(function, "__self__", None)
-    if owner is not None:
-        names.setdefault(id(owner), "self")
-    inner = getattr(function, "func", None)  # functools.partial
-    if inner is not None:
-        names.update({k: v for k, v in _referenced_names(inner).items() if k not in names})
-        for index, value in enumerate(getattr(function, "args", ())):
-            names.setdefault(id(value), f"arg{index}")
-        names.update({id(v): k for k, v in getattr(function, "keywords", {}).items() if id(v) not in names})
-    return names
+        found += [(name, scope[name]) for name in code.co_names if name in scope]
+        found += [(f"default{index}", value) for index, value in enumerate(getattr(function, "__defaults__", None)
+                                                                             or ())]
+    if getattr(function, "__self__", None) is not None:
+        found.append(("self", function.__self__))
+    if getattr(function, "func", None) is not None:  # functools.partial
+        found += [(f"arg{index}", value) for index, value in enumerate(getattr(function, "args", ()))]
+        found += list(getattr(function, "keywords", {}).items()) + _referenced_modules(function.func)
+    return [(name, value) for name, value in found if isinstance(value, nn.Module)]
+
+
+def _named_holder(module: nn.Module, referenced: list[tuple[str, nn.Module]], fallback: str) -> tuple[str, nn.Module]:
+    """The module under the name the callable uses for it, else a named module holding it, else ``fallback``."""
+    for name, held in referenced:
+        if held is module:
+            return name, held
+    for name, held in referenced:
+        if any(part is module for part in held.modules()):
+            return name, held
+    return fallback, module
 
 
 class BiLRP:
@@ -119,9 +126,10 @@ class BiLRP:
         run once without rules to find the modules it calls; they become
         submodules of a wrapper under the names the callable uses for them
         (a closure variable ``model`` gives module paths ``model.encoder...``,
-        which is what a composite's ``name_map`` sees), so that rules get their
-        module context. A module the callable runs that is not found this way
-        is named ``module0``, ``module1``...
+        also when the callable runs only ``model.encoder``; that is what a
+        composite's ``name_map`` sees), so that rules get their module
+        context. A bound method's module is named ``self``; a module the
+        callable reaches some other way is named ``module0``, ``module1``...
     composite : Composite, str or None
         The rules, as for :class:`relprop.LRP`.
     max_batch : int
@@ -185,11 +193,12 @@ class BiLRP:
         if not found:
             raise TypeError("relprop: the embed callable ran no torch.nn.Module; relevance needs the model's modules "
                             "(pass the model, or a callable that calls it)")
-        names = _referenced_names(self.embed)
+        referenced = _referenced_modules(self.embed)
         modules: dict[str, nn.Module] = {}
         for index, module in enumerate(found):
-            name = names.get(id(module), f"module{index}")
-            modules[name if name.isidentifier() and name not in modules else f"module{index}"] = module
+            name, holder = _named_holder(module, referenced, f"module{index}")
+            if not any(held is holder for held in modules.values()):
+                modules[name if name.isidentifier() and name not in modules else f"module{index}"] = holder
         return _CallableEmbedding(self.embed, modules)
 
     @staticmethod
