@@ -81,9 +81,9 @@ def plain_gradient(model, x, target):
     return grad
 
 
-def relprop_method(model, preset):
+def relprop_method(model, preset, guard: bool = True):
     composite = relprop.composites.get(preset, **(BOUNDS if preset == "epsilon-gamma-box" else {}))
-    lrp = relprop.LRP(model, composite)
+    lrp = relprop.LRP(model, composite, guard=guard)
     return lambda m, x, target: lrp.attribute(x, target=target)
 
 
@@ -129,6 +129,8 @@ def methods(model, name: str, which: list[str]) -> dict[str, Callable]:
         table["gradient, torch.compile'd model"] = compiled_gradient(model)
     for preset in PRESETS:
         table[f"relprop {preset}"] = relprop_method(model, preset)
+        if "guard" in which and preset in ("epsilon", "epsilon-plus-flat"):  # what the conservation guard costs
+            table[f"relprop {preset}, no guard"] = relprop_method(model, preset, guard=False)
         if preset == "epsilon" and "compile" in which:
             table["relprop epsilon in torch.compile"] = compiled_relprop(model, preset)
         if preset in ZENNIT and "zennit" in which:
@@ -271,7 +273,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--with", dest="which", nargs="*", default=["zennit", "captum", "compile"],
-                        help="references to include: zennit captum compile")
+                        help="references to include: zennit captum compile guard (relprop without its conservation guard)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, or cuda (the default where a GPU is present)")
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (one subprocess each)")

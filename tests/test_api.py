@@ -319,3 +319,17 @@ def test_unknown_op_on_the_path_is_reported_with_its_module():
     assert not any("logsumexp" in str(w.message) for w in record)
     with pytest.raises(relprop.UnsupportedOpError, match="torch.cumprod"):
         relprop.LRP(model, strict=True).attribute(x, target=0)
+
+
+def test_record_then_relevance_is_attribute_and_forward_is_deprecated():
+    model, x = residual_net(), images()
+    lrp = relprop.LRP(model, "epsilon-plus")
+    explained = lrp.record(x)
+    assert torch.equal(explained.logits, model(x))
+    target = explained.logits.argmin(1)  # a seed chosen after seeing the output
+    (relevance,) = explained.relevance(relprop.output_relevance(explained.logits, target))
+    torch.testing.assert_close(relevance, lrp.attribute(x, target=target), rtol=1e-12, atol=1e-14)
+    with pytest.raises(RuntimeError, match="crosses a recorded forward pass once"):
+        explained.relevance(relprop.output_relevance(explained.logits, target))
+    with pytest.warns(DeprecationWarning, match="use LRP.record"):
+        assert torch.equal(lrp.forward(x).logits, explained.logits)

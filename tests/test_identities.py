@@ -1,4 +1,4 @@
-"""Identities that hold for any correct LRP (DESIGN.md section 6), float64.
+"""Identities that hold for any correct LRP (docs/design.md, section 6), float64.
 
 - LRP-0 equals Gradient x Input on ReLU networks, biases, residual sums,
   concatenations, max pooling and eval BatchNorm included.
@@ -81,3 +81,52 @@ def test_batch_norm_after_an_inplace_relu_is_not_merged_across_it():
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     relevance = relprop.LRP(model, relprop.composites.Epsilon(epsilon=0.0)).attribute(x, target=TARGET)
     assert relative_error(relevance, gradient_times_input(model, x, TARGET)) < 1e-8
+
+
+class _BranchedBatchNorms(torch.nn.Module):
+    """A conv + BatchNorm whose outputs feed several branches (timm's RepGhostNet: ``cheap(y) + fusion_bn(y)``)."""
+
+    def __init__(self, wiring: str):
+        super().__init__()
+        self.wiring = wiring
+        self.conv, self.bn = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+        self.dw = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4)
+        self.bn2, self.bn3 = torch.nn.BatchNorm2d(4), torch.nn.BatchNorm2d(4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        if self.wiring == "bn-read-by-conv-and-bn":
+            y = self.bn(self.conv(x))
+            z = self.dw(y) + self.bn2(y)
+        elif self.wiring == "bn-read-by-two-bns":
+            y = self.bn(self.conv(x))
+            z = self.bn2(y) + self.bn3(y)
+        elif self.wiring == "bn-after-bn":
+            z = self.bn2(self.bn(self.conv(x)))
+        else:  # "raw-conv-read-elsewhere"
+            c = self.conv(x)
+            z = self.bn(c) + self.dw(c)
+        return self.head(z.relu().mean((2, 3)))
+
+
+BRANCHED = ("bn-read-by-conv-and-bn", "bn-read-by-two-bns", "bn-after-bn", "raw-conv-read-elsewhere")
+#: the merged (layer, BatchNorms) of each wiring, as the audit names them
+MERGES = {
+    "bn-read-by-conv-and-bn": {"conv+bn", "conv+bn+bn2"},
+    "bn-read-by-two-bns": {"conv+bn+bn2", "conv+bn+bn3"},  # relevance reaches conv+bn through them alone
+    "bn-after-bn": {"conv+bn+bn2"},
+    "raw-conv-read-elsewhere": {"conv+bn"},
+}
+
+
+@pytest.mark.parametrize("wiring", BRANCHED)
+def test_batch_norm_on_a_branched_output_is_lrp0_exact_and_audited(wiring):
+    """A BatchNorm merged into a layer that has one merged already composes with it (was 38% off, silently)."""
+    torch.manual_seed(0)
+    model = randomize_batch_norms(_BranchedBatchNorms(wiring)).double().eval()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    lrp0 = relprop.composites.Epsilon(epsilon=0.0)
+    relevance = relprop.LRP(model, lrp0).attribute(x, target=[0, 0])
+    assert relative_error(relevance, gradient_times_input(model, x, [0, 0])) < 1e-10
+    rows = relprop.audit(model, x, target=[0, 0], composite=lrp0).rows
+    assert {row.module for row in rows if row.op.endswith("+batch_norm")} == MERGES[wiring]

@@ -51,6 +51,17 @@ def test_convergence_delta_and_channel_ranking():
     torch.testing.assert_close(channels, relevance.sum((2, 3)))
 
 
+def test_layer_delta_is_what_the_layers_above_absorbed():
+    """With biases, the delta at a layer is the output minus the layer's total, as compute_convergence_delta says."""
+    model = small_cnn()
+    layer = relprop.LayerLRP(model, "4", "epsilon")
+    relevance, delta = layer.attribute(X, target=[0, 3], return_convergence_delta=True)
+    output = seed_of(model(X), [0, 3]).detach()
+    torch.testing.assert_close(delta, output - relevance.sum((1, 2, 3)), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(layer.compute_convergence_delta(relevance, output), delta, rtol=0, atol=0)
+    assert delta.abs().min() > 1e-6  # the dense layer's bias took its share
+
+
 class Twice(nn.Module):
     """A module called twice, and one with a tuple output."""
 

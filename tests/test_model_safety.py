@@ -1,4 +1,4 @@
-"""The model is not changed (DESIGN.md section 1), and Epsilon re-runs nothing in the backward pass."""
+"""The model is not changed (docs/design.md, section 1), and Epsilon re-runs nothing in the backward pass."""
 import pytest
 import torch
 from torch import nn

@@ -127,7 +127,7 @@ def test_conservation_with_initial_states(kind):
     total = rx.sum() + rh.sum() + rc.sum()  # the states are layer-first: totals over the batch
     torch.testing.assert_close(total, model(x, h0, c0)[:, 1].sum().detach(), rtol=1e-10, atol=1e-12)
     assert rh.abs().sum() > 0 and (rc.abs().sum() > 0) == (kind == "LSTM")
-    assert torch.equal(relprop.LRP(model).forward((x, h0, c0)).logits, model(x, h0, c0))  # bitwise
+    assert torch.equal(relprop.LRP(model).record((x, h0, c0)).logits, model(x, h0, c0))  # bitwise
 
 
 class Tagger(nn.Module):

@@ -1,4 +1,4 @@
-"""Every linear rule against an explicit matrix-form reference (DESIGN.md section 2), float64.
+"""Every linear rule against an explicit matrix-form reference (docs/design.md, section 2), float64.
 
 A layer is written as z_k = sum_j a_j w_jk + b_k with W read off its Jacobian
 and b off its output at zero input; the reference formulas below use only
@@ -20,7 +20,7 @@ def stabilize(z, eps):
 
 
 def divide(numerator, denominator):
-    """``numerator / denominator``, 0 where the denominator is exactly 0 (DESIGN.md: never NaN)."""
+    """``numerator / denominator``, 0 where the denominator is exactly 0 (docs/design.md: never NaN)."""
     return torch.where(denominator == 0, 0.0, numerator / torch.where(denominator == 0, 1.0, denominator))
 
 

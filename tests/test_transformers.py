@@ -66,7 +66,7 @@ def test_token_relevance_eager_equals_sdpa(name, preset):
         assert relevance.shape == IDS.shape and relevance.dtype == torch.float64
         assert torch.isfinite(relevance).all() and relevance.abs().sum() > 0
         results.append(relevance)
-    # Llama-like models compute RMSNorm, RoPE and eager softmax in float32 (DESIGN.md section 4b)
+    # Llama-like models compute RMSNorm, RoPE and eager softmax in float32 (docs/design.md, section 5)
     torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-8)
 
 
@@ -256,4 +256,4 @@ def test_forward_output_is_bitwise_the_plain_one():
     for name in ("llama", "gpt2", "bert"):
         model = build(name, "sdpa")
         plain = model(IDS).logits
-        assert torch.equal(relprop.LRP(model, "attnlrp").forward(IDS).logits, plain), name
+        assert torch.equal(relprop.LRP(model, "attnlrp").record(IDS).logits, plain), name

@@ -2,7 +2,7 @@
 
 relprop seeds with f_t(x), zennit with 1, so relprop / f_t(x) must equal
 zennit's attribution. zennit keeps BatchNorm's eps when it merges a BN into
-the previous layer (DESIGN.md section 6), so the tests set ``bn.eps = 0``.
+the previous layer (docs/design.md, section 6), so the tests set ``bn.eps = 0``.
 """
 import copy
 

@@ -10,20 +10,24 @@ Modules: :mod:`relprop.rules` (how relevance crosses one op),
 :mod:`relprop.composites` (which op gets which rule, presets),
 :mod:`relprop.engine` (interception of torch functions),
 :mod:`relprop.attribution` (this public API), :mod:`relprop.layer` (relevance
-inside the model, concepts), :mod:`relprop.audit` (a per-op account).
+inside the model, concepts), :mod:`relprop.audit` (a per-op account),
+:mod:`relprop.methods` (gradient methods for comparison). Every attribution
+class follows captum's ``Attribution`` protocol, so captum's ``NoiseTunnel``
+and metrics take it.
 """
-from . import composites, rules
-from .attribution import LRP, Contrastive, model_logits, output_relevance
+from . import composites, methods, rules
+from .attribution import LRP, Attribution, Contrastive, convergence_delta, model_logits, output_relevance
 from .audit import Audit, audit
 from .bilrp import BiLRP
 from .composites import Composite
 from .dataset import explain_dataset
-from .engine import RuleError, UnhandledOpWarning, UnsupportedOpError
+from .engine import ConservationWarning, RuleError, UnhandledOpWarning, UnsupportedOpError
 from .layer import LayerLRP, ModuleRelevance, module_relevance
 
 __all__ = [
     "LRP", "LayerLRP", "Contrastive", "explain_dataset", "module_relevance", "ModuleRelevance", "audit", "Audit",
-    "Composite", "composites", "rules", "output_relevance", "model_logits",
-    "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "BiLRP",
+    "Composite", "composites", "rules", "methods", "Attribution", "output_relevance", "convergence_delta",
+    "model_logits",
+    "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning", "BiLRP",
 ]
 __version__ = "0.1.0"

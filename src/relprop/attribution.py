@@ -1,10 +1,13 @@
-"""The public attribution API, compatible with captum's ``LRP``."""
+"""The public attribution API, compatible with captum's ``LRP`` and its ``Attribution`` protocol."""
 from __future__ import annotations
 
+import functools
 import numbers
-from collections.abc import Iterator, Mapping, Sequence
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -12,9 +15,12 @@ from torch import Tensor, nn
 from . import composites
 from .engine import Session
 
-__all__ = ["LRP", "ForwardPass", "Contrastive", "output_relevance", "target_mask", "model_logits", "convergence_delta"]
+__all__ = ["Attribution", "LRP", "ForwardPass", "Contrastive", "output_relevance", "target_mask", "model_logits",
+           "convergence_delta"]
 
 Target = int | tuple | Sequence | Tensor | None
+Inputs = Tensor | Sequence[Tensor]
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def model_logits(output: Any) -> Tensor:
@@ -64,7 +70,8 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
     ``target`` is None (one output per example), an int (the class along
     dimension 1), a tuple indexing the dimensions after the batch dimension
     (``(-1, token)``), or a list / 1-D integer tensor with one such target per
-    example.
+    example. A list or tensor of one target is used for every example, as
+    captum does (``torch.tensor([2])`` for a batch of 4).
     """
     batch = output.shape[0] if output.dim() else 1
     mask = torch.zeros_like(output, dtype=torch.bool)
@@ -75,12 +82,14 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
         mask.fill_(True)
     elif _is_index(target) or isinstance(target, tuple):
         index = _check_index(target if isinstance(target, tuple) else (target,), output.shape, target)
-        mask[(slice(None), *index)] = True
+        mask[(slice(None), *index)] = True  # type: ignore[index]  # mypy misreads the starred ints
     elif isinstance(target, (list, Tensor)):
         if isinstance(target, Tensor) and target.dim() != 1:
             raise ValueError(f"relprop: a target tensor must be 1-D (one class per example), got shape "
                              f"{tuple(target.shape)}")
         targets = target.tolist() if isinstance(target, Tensor) else list(target)
+        if len(targets) == 1:
+            targets = targets * batch
         if len(targets) != batch:
             raise ValueError(f"relprop: {len(targets)} targets given for a batch of {batch} examples")
         for example, item in enumerate(targets):
@@ -145,17 +154,67 @@ def _as_tuple(value: Any) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
-def _eager(method):
+def _eager(method: _F) -> _F:
     """Run ``method`` eagerly also inside ``torch.compile``d code.
 
     Relevance needs every op of the forward pass intercepted one by one, which a
     compiled graph does not allow: Dynamo breaks the graph here instead of
     failing, and what the caller compiles around an attribution stays compiled.
+    The result has captum's ``__wrapped__`` (see :func:`_captum_entry`).
     """
     return torch.compiler.disable(method, recursive=True)
 
 
-class LRP:
+def _captum_entry(method: _F) -> _F:
+    """Give an ``attribute`` method the ``__wrapped__`` that captum's ``NoiseTunnel`` calls.
+
+    NoiseTunnel calls ``method.attribute.__wrapped__(method, inputs, ...)`` to
+    skip captum's usage logger, so every ``attribute`` must be a wrapper.
+    """
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)
+    return call  # type: ignore[return-value]
+
+
+class Attribution:
+    """captum's ``Attribution`` protocol, without captum as a dependency.
+
+    What captum's wrappers and metrics read: ``forward_func`` (the model),
+    ``multiplies_by_inputs``, ``has_convergence_delta()``,
+    ``compute_convergence_delta(...)``, ``get_name()`` and ``attribute``, so
+    that ``captum.attr.NoiseTunnel(method)``, ``captum.metrics.infidelity``
+    and ``captum.metrics.sensitivity_max`` take relprop's methods.
+
+    Parameters
+    ----------
+    forward_func : callable
+        The model, or any function of the inputs returning its output.
+    """
+
+    #: whether the attributions are a local effect times the inputs (captum's flag, used by NoiseTunnel)
+    multiplies_by_inputs: bool = False
+
+    def __init__(self, forward_func: Callable[..., Any]) -> None:
+        if not callable(forward_func):
+            raise TypeError(f"relprop: forward_func must be a model or a function, got {type(forward_func).__name__}")
+        self.forward_func = forward_func
+
+    def has_convergence_delta(self) -> bool:
+        """Whether :meth:`compute_convergence_delta` (and ``return_convergence_delta=True``) is available."""
+        return type(self).compute_convergence_delta is not Attribution.compute_convergence_delta
+
+    def compute_convergence_delta(self, attributions: Inputs, *args: Any) -> Tensor:
+        """The method's approximation error per example; see the subclass for its arguments."""
+        raise NotImplementedError(f"relprop: {self.get_name()} has no convergence delta")
+
+    @classmethod
+    def get_name(cls) -> str:
+        """A readable name: ``"Integrated Gradients"``, ``"Layer LRP"``."""
+        return re.sub(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", " ", cls.__name__)
+
+
+class LRP(Attribution):
     """Layer-wise relevance propagation for any PyTorch model, with captum's interface.
 
     Parameters
@@ -170,7 +229,22 @@ class LRP:
         The rules (:mod:`relprop.composites`), a preset name such as
         ``"epsilon-plus-flat"``, or None for ``Epsilon(1e-6)`` on every linear op.
     strict : bool
-        Raise instead of warn when relevance reaches an op without a rule.
+        Raise instead of warn when relevance reaches an op without a rule, or
+        when a rule's relevance cannot be right (see ``guard``).
+    guard : bool
+        Check every op's relevance as it passes: NaN or infinite relevance, and
+        rules that should conserve relevance but create some, are reported with
+        the op's module path (:class:`~relprop.engine.ConservationWarning`).
+
+    Notes
+    -----
+    A model in ``nn.DataParallel`` is explained through the module it wraps:
+    its replicas run in threads, where the engine's interception is not active.
+
+    Attributes
+    ----------
+    model : nn.Module
+        The module explained (also captum's ``forward_func``).
 
     Examples
     --------
@@ -178,13 +252,21 @@ class LRP:
     >>> relevance = lrp.attribute(images, target=labels)
     """
 
-    def __init__(self, model: nn.Module, composite: composites.Composite | str | None = None, strict: bool = False):
+    multiplies_by_inputs = True
+
+    def __init__(self, model: nn.Module, composite: composites.Composite | str | None = None, strict: bool = False,
+                 guard: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"relprop: model must be a torch.nn.Module, got {type(model).__name__}")
         # compiled code runs its ops where no rule can reach them: explain the module it was compiled from
-        self.model = model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
+        compiled = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+        self.model: nn.Module = model._orig_mod if compiled else model  # type: ignore[assignment]
+        if isinstance(self.model, nn.DataParallel):  # replicas run in threads, outside the engine's mode
+            self.model = self.model.module
+        super().__init__(self.model)
         self.composite = composites.get(composite)
         self.strict = strict
+        self.guard = guard
 
     @contextmanager
     def context(self) -> Iterator[Session]:
@@ -205,19 +287,28 @@ class LRP:
             yield session
 
     @contextmanager
-    def _session(self, taps=None, audit=None, token_inputs=()) -> Iterator[Session]:
-        session = Session(self.model, self.composite, self.strict, taps=taps, audit=audit, token_inputs=token_inputs)
+    def _session(self, taps: Any = None, audit: Any = None, token_inputs: tuple[Tensor, ...] = ()
+                 ) -> Iterator[Session]:
+        session = Session(self.model, self.composite, self.strict, taps=taps, audit=audit, token_inputs=token_inputs,
+                          guard=self.guard)
         with torch.enable_grad(), session.active():
             yield session
 
     @_eager
-    def forward(self, inputs: Tensor | Sequence[Tensor], additional_forward_args: Any = None, taps=None,
-                audit=None) -> "ForwardPass":
-        """Run the model once under the engine, ready for :meth:`ForwardPass.relevance`.
+    def record(self, inputs: Inputs, additional_forward_args: Any = None, taps: Any = None,
+               audit: Any = None) -> ForwardPass:
+        """Run the model once under the engine and keep the pass, for :meth:`ForwardPass.relevance`.
 
+        Use it to choose the output relevance after seeing the output. A
+        recorded pass carries relevance once: record again for another seed.
         ``additional_forward_args`` may be a tuple of further positional
         arguments or a dict of keyword arguments (``attention_mask=...``).
         ``taps`` and ``audit`` are handed to :class:`~relprop.engine.Session`.
+
+        Examples
+        --------
+        >>> explained = lrp.record(x)
+        >>> relevance, = explained.relevance(relprop.output_relevance(explained.logits, target=3))
         """
         inputs = _as_tuple(inputs)
         if not inputs or not all(isinstance(x, Tensor) for x in inputs):
@@ -231,9 +322,14 @@ class LRP:
         embeddings = {_position(leaves, tokens[i]): found for i, found in session.embeddings.items()}
         return ForwardPass(leaves, model_logits(output), embeddings)
 
+    def forward(self, *args: Any, **kwargs: Any) -> ForwardPass:
+        """Deprecated name of :meth:`record` (an ``LRP`` is not a module: its ``forward`` was misleading)."""
+        warnings.warn("relprop: LRP.forward is deprecated, use LRP.record", DeprecationWarning, stacklevel=2)
+        return self.record(*args, **kwargs)
+
     @_eager
-    def attribute(self, inputs: Tensor | Sequence[Tensor], target: Target = None,
-                  additional_forward_args: Any = None, return_convergence_delta: bool = False):
+    def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,
+                  return_convergence_delta: bool = False) -> Any:
         """Relevance of every input feature for the model's output at ``target``.
 
         Parameters
@@ -251,20 +347,29 @@ class LRP:
             Further positional arguments of the model, or keyword arguments
             (``{"attention_mask": mask}``); they get no relevance.
         return_convergence_delta : bool
-            Also return ``seed total - relevance total`` per example.
+            Also return ``seed total - relevance total`` per example (what
+            the rules absorbed, see :func:`convergence_delta`).
 
         Returns
         -------
         Tensor, or tuple of Tensors for tuple inputs; and the delta if asked.
         """
         with torch.inference_mode(False):
-            explained = self.forward(inputs, additional_forward_args)
+            explained = self.record(inputs, additional_forward_args)
             seed = output_relevance(explained.logits, target)
             relevance = explained.relevance(seed)
         result = relevance[0] if isinstance(inputs, Tensor) else relevance
         if not return_convergence_delta:
             return result
         return result, convergence_delta(seed, relevance)
+
+    def compute_convergence_delta(self, attributions: Inputs, output: Tensor) -> Tensor:
+        """``output - attributions' total`` per example, as captum's ``LRP`` computes it.
+
+        ``output`` is the explained output value per example (shape ``(N,)``)
+        or the whole output relevance (batch first).
+        """
+        return convergence_delta(output, attributions)
 
 
 def _position(items: Sequence[Tensor], item: Tensor) -> int:
@@ -273,7 +378,7 @@ def _position(items: Sequence[Tensor], item: Tensor) -> int:
 
 def _forward_arguments(value: Any) -> tuple[tuple, dict]:
     """Positional and keyword arguments from ``additional_forward_args``; tensors detached."""
-    def detach(a):
+    def detach(a: Any) -> Any:
         return a.detach() if isinstance(a, Tensor) else a
     if isinstance(value, Mapping):
         return (), {key: detach(a) for key, a in value.items()}
@@ -321,11 +426,29 @@ class ForwardPass:
         return tuple(relevance)
 
 
-def convergence_delta(seed: Tensor, relevance: Sequence[Tensor]) -> Tensor:
-    """``seed total - relevance total`` per example (every input batch first)."""
-    batch = seed.shape[0]
-    if any(r.shape[0] != batch for r in relevance):
+def convergence_delta(seed: Tensor, relevance: Tensor | Sequence[Tensor | None] | None) -> Tensor:
+    """``seed total - relevance total`` per example: the relevance the rules absorbed (or created).
+
+    The one definition of the delta in relprop (captum's ``LRP`` sign): 0
+    where relevance is conserved from the output down to ``relevance``.
+
+    Parameters
+    ----------
+    seed : Tensor
+        The output relevance, or the explained output value per example; batch first.
+    relevance : Tensor or sequence of Tensors
+        The relevance of the inputs (or of a layer), each batch first; None entries are skipped.
+
+    Returns
+    -------
+    Tensor of shape (N,)
+    """
+    parts = [r for r in _as_tuple(relevance) if r is not None]
+    batch = seed.shape[0] if seed.dim() else 1
+    if any(r.dim() == 0 or r.shape[0] != batch for r in parts):
         raise ValueError("relprop: the convergence delta is per example and needs every input batch first; "
-                         f"got input shapes {[tuple(r.shape) for r in relevance]} for a batch of {batch}")
-    total = sum(r.reshape(batch, -1).sum(1) for r in relevance)
-    return seed.reshape(seed.shape[0], -1).sum(1) - total
+                         f"got input shapes {[tuple(r.shape) for r in parts]} for a seed of shape "
+                         f"{tuple(seed.shape)}")
+    total = sum((r.reshape(batch, -1).sum(1) for r in parts), torch.zeros(batch, dtype=seed.dtype,
+                                                                             device=seed.device))
+    return seed.reshape(batch, -1).sum(1) - total

@@ -16,7 +16,8 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from .attribution import LRP, Target, output_relevance
+from .attribution import LRP, Inputs, Target, output_relevance
+from .composites import Composite
 
 __all__ = ["AuditRow", "Audit", "audit"]
 
@@ -50,6 +51,15 @@ class Audit:
         return sum(row.absorbed for row in self.rows)
 
     @property
+    def unaccounted(self) -> float:
+        """``seed - inputs - absorbed``: relevance created or lost where no op's row shows it.
+
+        0 up to rounding when every op that changes the total is a row; anything
+        else means relevance left the tracked graph unseen (a bug to report).
+        """
+        return self.seed_total - self.input_total - self.absorbed_total
+
+    @property
     def unhandled(self) -> list[AuditRow]:
         """Ops that relevance reached without a rule (their plain gradient was used)."""
         return [row for row in self.rows if row.rule == "none"]
@@ -63,11 +73,12 @@ class Audit:
                          f"{row.relevance_in:12.5g} {row.relevance_out:12.5g} {share:9.2%}")
         lines.append("-" * len(header))
         lines.append(f"seed {self.seed_total:.6g}  inputs {self.input_total:.6g}  absorbed by ops "
-                     f"{self.absorbed_total:.6g}  ops without a rule: {len(self.unhandled)}")
+                     f"{self.absorbed_total:.6g}  unaccounted {self.unaccounted:.3g}  ops without a rule: "
+                     f"{len(self.unhandled)}")
         return "\n".join(lines)
 
 
-def audit(model: nn.Module, inputs: Tensor | Sequence[Tensor], target: Target = None, composite=None,
+def audit(model: nn.Module, inputs: Inputs, target: Target = None, composite: Composite | str | None = None,
           additional_forward_args: Any = None) -> Audit:
     """Explain once and account for every op: module path, op, rule, relevance in and out.
 
@@ -76,13 +87,13 @@ def audit(model: nn.Module, inputs: Tensor | Sequence[Tensor], target: Target = 
     """
     rows: list[AuditRow] = []
 
-    def record(call, relevance: Tensor, result) -> None:
+    def record(call: Any, relevance: Tensor, result: Sequence[Tensor | None]) -> None:
         handed = sum(r.sum().item() for r in result if r is not None)
         rows.append(AuditRow(call.module_name or "<root>", call.name, repr(call.rule), relevance.sum().item(), handed))
 
     lrp = LRP(model, composite)
     with torch.inference_mode(False):
-        explained = lrp.forward(inputs, additional_forward_args, audit=record)
+        explained = lrp.record(inputs, additional_forward_args, audit=record)
         seed = output_relevance(explained.logits, target)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # unhandled ops are rows of the table here

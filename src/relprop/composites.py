@@ -1,4 +1,4 @@
-"""Composites: which rule each op of a model gets (DESIGN.md section 4).
+"""Composites: which rule each op of a model gets (docs/design.md, section 4).
 
 A composite answers, for every op of the forward pass, which rule propagates
 relevance through it. The answer is found in this order, first match wins:
@@ -18,7 +18,8 @@ relevance through it. The answer is found in this order, first match wins:
    winner-take-all; the softmax rule inside the model; products of two
    activations and fused attention split uniformly, except that a factor of a
    kind in ``gate_kinds`` (a sigmoid gate, ``rsqrt`` of a variance, a
-   divisor; for CP-LRP also activations and attention weights) takes none.
+   divisor, an exponential weight; for CP-LRP also activations and attention
+   weights) takes none.
 
 A mapped rule (steps 2-4) is only used for ops of the kinds it is about
 (``rule.kinds``): a name pattern that matches a whole block gives its rule to
@@ -31,6 +32,7 @@ unless the BatchNorm module has a ``rule`` of its own.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
 
@@ -73,8 +75,8 @@ class Composite:
     """
 
     #: what makes a factor of a product a gate that takes no relevance: a sigmoid output, a normalising
-    #: statistic (``x * rsqrt(var)``), a divisor
-    gate_kinds: frozenset[str] = frozenset({"sigmoid", "statistic", "divisor"})
+    #: statistic (``x * rsqrt(var)``), a divisor, an exponential weight (``exp(k - max) * v``)
+    gate_kinds: frozenset[str] = frozenset({"sigmoid", "statistic", "divisor", "exp"})
 
     def __init__(self, epsilon: float = 1e-6, conv: Rule | None = None, dense: Rule | None = None,
                  first: Mapping[str, Rule] | None = None, layer_map: _TypeMap | None = None,
@@ -134,7 +136,7 @@ class Composite:
             return self.attention
         if kind == "product" and self._gated.accepts(call):
             return self._gated
-        if kind == "product" and len(call.inputs) == 2:
+        if kind == "product" and len(call.inputs) >= 2:
             return self._uniform
         if kind in ("elementwise", "product"):
             return self._pass
@@ -234,7 +236,7 @@ class CPLRP(AttnLRP):
     values and the gated signal. On a bias-free model it conserves exactly.
     """
 
-    gate_kinds = frozenset({"sigmoid", "statistic", "divisor", "activation", "softmax"})
+    gate_kinds = frozenset({"sigmoid", "statistic", "divisor", "exp", "activation", "softmax"})
 
     def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs):
         super().__init__(gamma, epsilon, **kwargs)
@@ -264,6 +266,15 @@ def get(composite: Composite | str | None, **kwargs) -> Composite:
         key = composite.lower().replace("_", "-")
         if key not in PRESETS:
             raise ValueError(f"relprop: unknown preset {composite!r}; known presets: {', '.join(PRESETS)}")
-        return PRESETS[key](**kwargs)
+        preset = PRESETS[key]
+        missing = [name for name, parameter in inspect.signature(preset).parameters.items()
+                   if parameter.default is parameter.empty and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
+                   and name not in kwargs]
+        if missing:
+            raise ValueError(f"relprop: preset {key!r} needs {' and '.join(missing)}: use "
+                             f"relprop.composites.{preset.__name__}({', '.join(f'{n}=...' for n in missing)})"
+                             + (" with the smallest and largest input values (scalars or per-channel (1, C, 1, 1) "
+                                "tensors, in the model's input space)" if preset is EpsilonGammaBox else ""))
+        return preset(**kwargs)
     raise TypeError(f"relprop: composite must be a Composite, a preset name or None, got {type(composite).__name__}")
 

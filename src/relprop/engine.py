@@ -11,9 +11,11 @@ every module's training flag is as before, also when the forward raises.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,10 +26,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import rules
-from .graph import OpCall, Workspace, is_activation, is_relevance_node, propagate, tap, watch
-from .ops import ALWAYS_HANDLED, HANDLERS, aliases, from_aten, has_activation, op_name
+from .graph import OpCall, Workspace, is_activation, model_input, propagate, tap, watch
+from .ops import ALWAYS_HANDLED, HANDLERS, aliases, from_aten, has_activation, has_parameter, op_name
 
-__all__ = ["Session", "RuleError", "UnsupportedOpError", "UnhandledOpWarning"]
+__all__ = ["Session", "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning"]
 
 
 class RuleError(ValueError):
@@ -42,11 +44,17 @@ class UnhandledOpWarning(UserWarning):
     """Relevance reached an op without a rule; its plain gradient was used."""
 
 
+class ConservationWarning(UserWarning):
+    """An op's rule produced NaN or infinite relevance, or created relevance where it should conserve it."""
+
+
+#: how far the relevance an op hands on may exceed the relevance arriving (its absolute values summed) before a
+#: rule that conserves is reported. A conservative rule with a stabiliser hands on sum_k R_k z_k / (z_k + eps),
+#: never more than sum_k |R_k|: any excess is relevance created, and no stabiliser can cause it
+CONSERVATION_MARGIN = 1e-2
+
+
 _current = threading.local()
-
-#: graph nodes searched to decide whether an op is fed by the model input
-_FIRST_LAYER_SEARCH = 256
-
 
 def _stored(x: Tensor, value: Tensor) -> Tensor:
     """The op of an activation module: its output was computed by the module itself."""
@@ -91,6 +99,21 @@ def _maps_zero_to_zero(call: OpCall) -> bool:
     return bool((call._call(call.func, (x.new_zeros((1,) * x.dim()),)) == 0).all())
 
 
+def _constant_output(out: Any, args: tuple) -> Any:
+    """``out``, computed from constants alone, as constants.
+
+    A view of a parameter made under ``no_grad`` still requires grad
+    (``scale.view(1, C)``, ``cls_token.expand(B, -1, -1)``), so it would pass
+    for an activation and take relevance in products and sums. A tensor the
+    op returns as it was given (in place) stays what it is.
+    """
+    if isinstance(out, Tensor):
+        return out.detach() if out.requires_grad and not any(out is a for a in args) else out
+    if type(out) in (tuple, list):  # chunk, split, unbind; not named tuples (their fields stay as they are)
+        return type(out)(_constant_output(o, args) for o in out)
+    return out
+
+
 class Session(TorchFunctionMode):
     """One attribution forward pass of ``model`` with rules from ``composite``.
 
@@ -113,14 +136,18 @@ class Session(TorchFunctionMode):
     token_inputs : tuple of integer tensors
         Model inputs of token ids: their embedding lookups collect relevance
         (:meth:`token_embedding`).
+    guard : bool
+        Report ops whose rule produced NaN or infinite relevance, or created
+        relevance where it should conserve it (:class:`ConservationWarning`).
     """
 
     def __init__(self, model: nn.Module, composite, strict: bool = False, taps=None, audit=None,
-                 token_inputs: tuple[Tensor, ...] = ()):
+                 token_inputs: tuple[Tensor, ...] = (), guard: bool = True):
         super().__init__()
         self.composite = composite
         self.strict = strict
         self.audit = audit
+        self.guard = guard
         self._taps = dict(taps or {})
         self._token_inputs = token_inputs
         #: index of an integer model input -> leaves of its embedded vectors (relevance collects there)
@@ -140,6 +167,11 @@ class Session(TorchFunctionMode):
         self.unhandled: list[str] = []
         #: scratch memory the parametric op calls share (see :class:`relprop.graph.Workspace`)
         self.workspace = Workspace()
+        #: address of an input's memory -> the op calls that read it (see :meth:`before_write`)
+        self._readers: dict[int, list[weakref.ref[OpCall]]] = {}
+        #: per op reached in the backward pass: the call, whether its rule conserves, and its relevance totals
+        #: (arriving, handed on, arriving in absolute value), checked together once the pass ends (:meth:`_check`)
+        self._totals: list[tuple[OpCall, bool, Tensor]] = []
 
     # ------------------------------------------------------------ module context
 
@@ -250,20 +282,7 @@ class Session(TorchFunctionMode):
 
     def fed_by_input(self, x: Tensor) -> bool:
         """Whether ``x`` comes from a model input through routing ops only (the op is a first layer)."""
-        if x.grad_fn is None:
-            return x.requires_grad
-        stack, seen, reached = [x.grad_fn], set(), False
-        while stack:
-            node = stack.pop()
-            if is_relevance_node(node) or len(seen) > _FIRST_LAYER_SEARCH:
-                return False
-            if not node.next_functions and is_activation(getattr(node, "variable", None)):
-                reached = True  # a model input (parameters are leaves too, but not inputs)
-            for parent, _ in node.next_functions:
-                if parent is not None and id(parent) not in seen:
-                    seen.add(id(parent))
-                    stack.append(parent)
-        return reached
+        return model_input(x) is not None
 
     def overwritten(self, tensor: Tensor, result: Tensor | None = None) -> Tensor:
         """``tensor`` was modified in place: it takes ``result``'s producer and tag, or loses its own.
@@ -281,11 +300,15 @@ class Session(TorchFunctionMode):
     def protect(self, tensor: Any, copy: Tensor | None = None) -> None:
         """Before ``tensor`` is modified in place, let the call that produced it keep what it needs.
 
-        ``copy``, a copy of ``tensor`` that nothing will modify, serves instead of one of its own.
+        ``copy``, a copy of ``tensor`` that nothing will modify, serves instead of one of its own. The calls
+        that read ``tensor`` keep copies of what they read (:meth:`before_write`).
         """
-        call = self.producers.get(tensor) if isinstance(tensor, Tensor) else None
+        if not isinstance(tensor, Tensor):
+            return
+        call = self.producers.get(tensor)
         if call is not None:
             call.protect(copy)
+        self.before_write(tensor)
 
     def rule_for(self, call: OpCall) -> tuple[rules.Rule | None, str]:
         """The composite's rule for ``call`` in the current module, and where it came from."""
@@ -302,7 +325,7 @@ class Session(TorchFunctionMode):
             out = call._call(call.func, call.activations)
             self.carry_zeros(zeroed, out)
             return out
-        call.audit = self.audit
+        call.audit = self._observe if self.guard else self.audit
         out = propagate(call, rule)
         if not rule.accepts(call):
             shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
@@ -312,7 +335,55 @@ class Session(TorchFunctionMode):
             self.follow_zeros(call, rule, zeroed, out)
         call.settle()
         self.producers[out] = call
+        reader = weakref.ref(call)
+        for x in call.inputs:
+            self._readers.setdefault(torch._C._storage_address(x), []).append(reader)
         return out
+
+    def before_write(self, target: Tensor) -> None:
+        """``target``, an activation, is about to be overwritten in place: the ops that read it keep copies."""
+        for reader in self._readers.pop(torch._C._storage_address(target), ()):
+            call = reader()
+            if call is not None:
+                call.keep_inputs_from(target)
+
+    def _observe(self, call: OpCall, relevance: Tensor, result: tuple[Tensor | None, ...]) -> None:
+        """After ``call`` propagated ``relevance``: the audit, if any, and the guard's totals."""
+        if self.audit is not None:
+            self.audit(call, relevance, result)
+        conserves = call.rule.conserves(call)
+        handed = [r.sum() for r in result if r is not None]
+        totals = [relevance.sum(), sum(handed) if handed else relevance.new_zeros(())]
+        if conserves:
+            totals.append(relevance.abs().sum())
+        if not self._totals:  # the first op of this backward pass: check them all when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._check)
+        # stacked now, checked at the end: one synchronisation per backward pass on a GPU, not one per op
+        self._totals.append((call, conserves, torch.stack(totals).double()))
+
+    def _check(self) -> None:
+        """Report the ops of the backward pass that made NaN or infinite relevance, or broke conservation."""
+        entries, self._totals = self._totals, []
+        if not entries:
+            return
+        arriving, handed = (torch.stack([totals[i] for _, _, totals in entries]).tolist() for i in (0, 1))
+        mass = {i: totals[2] for i, (_, conserves, totals) in enumerate(entries) if conserves}
+        mass = dict(zip(mass, torch.stack(list(mass.values())).tolist())) if mass else {}
+        for i, (call, _, _) in enumerate(entries):
+            if math.isfinite(arriving[i]) and not math.isfinite(handed[i]):
+                self.report_rule(call, "produced NaN or infinite relevance")
+            elif i in mass and abs(handed[i]) > (1 + CONSERVATION_MARGIN) * mass[i] + 1e-12:
+                self.report_rule(call, f"created relevance: it handed on {handed[i]:.6g}, more than the {mass[i]:.6g} "
+                                       "that arrived (in absolute value)")
+
+    def report_rule(self, call: OpCall, problem: str) -> None:
+        """A rule's relevance cannot be right: warn once per op (raise in strict mode)."""
+        message = f"relprop: {call.describe()} with rule {call.rule!r} {problem}"
+        if self.strict:
+            raise UnsupportedOpError(message)
+        if message not in self.unhandled:
+            self.unhandled.append(message)
+            warnings.warn(message, ConservationWarning, stacklevel=2)
 
     def zeroed_in(self, values: Any) -> tuple[OpCall, ...]:
         """The op calls whose output an in-place ReLU set to 0 in entries that ``values`` (tensors, lists) hold."""
@@ -381,9 +452,13 @@ class Session(TorchFunctionMode):
             handler, func, args, kwargs = resolved
         if self._opaque or (handler not in ALWAYS_HANDLED and not has_activation(args, kwargs)):
             # no activation in: a constant out (also what is computed from parameters alone); inside an
-            # activation module, its output becomes one op in the exit hook
-            with torch.no_grad():
+            # activation module, its output becomes one op in the exit hook. Ops on plain constants run as they
+            # are: a view of a fresh buffer made under no_grad could not take activations in place later
+            # (`buf[:, :4].copy_(h)`)
+            if not (self._opaque or has_parameter(args, kwargs)):
                 return func(*args, **kwargs)
+            with torch.no_grad():
+                return _constant_output(func(*args, **kwargs), args)
         try:
             if handler is None:
                 return self.unknown(func, args, kwargs)

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["OpCall", "ParametricCall", "InPlaceSumCall", "Workspace", "is_activation", "propagate", "watch", "tap",
-           "substitute", "is_relevance_node"]
+           "substitute", "is_relevance_node", "model_input", "routed_image"]
 
 
 def is_activation(value: Any) -> bool:
@@ -31,6 +31,53 @@ def is_activation(value: Any) -> bool:
 
 
 _CONTAINERS = (list, tuple, dict)
+
+#: autograd nodes searched for the model input that an activation comes from
+_INPUT_SEARCH = 256
+
+
+def model_input(x: Tensor) -> Tensor | None:
+    """The model input that ``x`` is made from by routing ops alone (reshape, pad, ...); None if there is none.
+
+    ``x`` itself if it is the model input. None where an op with a rule lies on
+    the way (``x`` is not just the input rearranged) or the graph is too large
+    to search.
+    """
+    if x.grad_fn is None:
+        return x if is_activation(x) else None
+    stack, seen, found = [x.grad_fn], set(), None
+    while stack:
+        node = stack.pop()
+        if is_relevance_node(node) or len(seen) > _INPUT_SEARCH:
+            return None
+        variable = getattr(node, "variable", None)
+        if not node.next_functions and is_activation(variable):
+            found = variable  # a model input (parameters are leaves too, but not inputs)
+        for parent, _ in node.next_functions:
+            if parent is not None and id(parent) not in seen:
+                seen.add(id(parent))
+                stack.append(parent)
+    return found
+
+
+def routed_image(x: Tensor, image: Tensor) -> Tensor | None:
+    """``image``, in the space of the model input ``x`` is made from, taken through the same routing ops.
+
+    The routing ops between the input and ``x`` are a linear map ``J`` (a
+    space-to-depth, a crop, a zero padding); ``J image`` comes from two
+    vector-Jacobian products, ``J^T u`` and its own VJP, on the model's
+    graph, which stays as it is. ``image`` broadcasts against the input. None
+    where ``x`` is not made from a model input by routing ops alone.
+    """
+    source = model_input(x)
+    if source is None:
+        return None
+    image = torch.as_tensor(image, dtype=source.dtype, device=source.device).expand_as(source)
+    with torch.enable_grad():
+        probe = torch.zeros_like(x, requires_grad=True)
+        (back,) = torch.autograd.grad(x, source, probe, create_graph=True, retain_graph=True)
+        (forward,) = torch.autograd.grad(back, probe, image)
+    return forward.detach()
 
 
 def _holds_activation(value: Any) -> bool:
@@ -145,6 +192,35 @@ class OpCall:
             return func(*leaves, **self._constants)
         args, kwargs = tree_unflatten(leaves, self._spec)
         return func(*args, **kwargs)
+
+    def keep_inputs_from(self, target: Tensor) -> None:
+        """Before ``target`` is overwritten in place: the inputs in its memory become copies, for the rule to read.
+
+        Plain autograd allows ``y = a + 1; a[0] = 0`` as long as no op saved
+        ``a``; every rule here reads its inputs, so each op that read ``a``
+        keeps a copy instead (:meth:`check_inputs` raises otherwise). An op
+        run in place on ``target`` itself reads only the shape of its input.
+        """
+        if self.inputs is None:  # the backward pass went through this op already
+            return
+        kept = [i for i, x in enumerate(self.inputs)
+                if torch._C._is_alias_of(x, target) and not (self.in_place and i == 0)]
+        if not kept:
+            return
+        inputs = list(self.inputs)
+        for i in kept:
+            inputs[i] = inputs[i].clone()
+            self._leaves[self._slots[i]] = inputs[i]
+        self.inputs = tuple(inputs)
+        self.versions = tuple(x._version for x in inputs)
+        if self._graph is not None:  # it may have saved the old memory (a product saves its factors)
+            self._rebuild_graph()
+
+    def _rebuild_graph(self) -> None:
+        """The op's private autograd graph built again on :attr:`inputs`."""
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in self.inputs]
+            self._graph = (leaves, self._call(self._linearised, leaves))
 
     def check_inputs(self) -> None:
         """Raise if an input was modified in place after the op read it: the rule would read the new values.
@@ -449,6 +525,13 @@ class ParametricCall(OpCall):
         shape[axis] *= 2
         return axis, x.new_empty(shape)
 
+    def routed_image(self, image: float | Tensor) -> Tensor | None:
+        """``image``, in the model input's space, taken through the routing ops that made this op's input.
+
+        None where the input is not the model input rearranged (see :func:`routed_image`).
+        """
+        return routed_image(self.activations[0], image)
+
     def input_channel_axis(self, x: Tensor) -> int:
         """The axis of ``x`` (an input of the op) holding its channels: 1 for convolutions, the last for dense ops."""
         return 1 if self.kind == "conv" else x.dim() - 1
@@ -472,6 +555,10 @@ class ParametricCall(OpCall):
 
     def release(self) -> None:
         """Keep the data input: a BatchNorm that follows builds its merged node on it."""
+
+    def _rebuild_graph(self) -> None:
+        if self._batch_norm is None:  # a merged call's graph ends in the BatchNorm; the op's VJP saves no input
+            super()._rebuild_graph()
 
     def finish(self) -> None:
         super().finish()
@@ -512,11 +599,18 @@ class ParametricCall(OpCall):
         """A copy of this call with ``batch_norm(f(x)) = f(x; scale*W, scale*b + shift)`` merged in.
 
         The merged output is ``batch_norm`` applied to ``output``, this call's
-        output, so it stays bitwise the plain model's.
+        output, so it stays bitwise the plain model's. On a call that has a
+        BatchNorm merged already (``conv -> bn -> bn2``) the two compose:
+        ``scale * (scale0 * z + shift0) + shift``. This call stays as it is, for
+        the other ops that read its output.
         """
+        if self._batch_norm is not None:
+            scale0, shift0 = self._batch_norm
+            scale, shift = scale0 * scale, shift0 * scale + shift
         merged = object.__new__(type(self))  # a shallow copy; copy.copy costs as much as a small op
         merged.__dict__.update(self.__dict__)
         merged._batch_norm = (scale, shift)
+        merged._merged_weight = merged._merged_bias = None  # this call's, if it made them already
         merged._prepared = False
         merged.name = f"{self.name}+batch_norm"
         merged._value = batch_norm(output.detach())

@@ -28,7 +28,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from .attribution import LRP, Target, output_relevance
+from .attribution import LRP, Attribution, Inputs, Target, _captum_entry, convergence_delta, output_relevance
+from .composites import Composite
+from .engine import Session
 from .graph import is_activation
 
 __all__ = ["LayerLRP", "ModuleRelevance", "module_relevance"]
@@ -50,6 +52,7 @@ class _Record:
     def value(self) -> Tensor:
         if self.relevance is not None:
             return self.relevance
+        assert self.below is not None, "a record is read after its forward pass"
         zeros = torch.zeros_like(self.below)
         return zeros if self.reduce is None else self.reduce(zeros)
 
@@ -62,10 +65,10 @@ class _Tapper:
         self.reduce = reduce
         self.calls: list[tuple[bool, list[_Record | None]]] = []  # (single tensor?, records) per call
 
-    def __call__(self, session, value: Any) -> Any:
+    def __call__(self, session: Session, value: Any) -> Any:
         records: list[_Record | None] = []
 
-        def tap_one(item):
+        def tap_one(item: Any) -> Any:
             if is_activation(item):
                 record = _Record(self.reduce)
                 records.append(record)
@@ -86,7 +89,7 @@ class _Tapper:
     def records(self) -> list[_Record]:
         return [record for _, records in self.calls for record in records if record is not None]
 
-    def results(self) -> list[Tensor | tuple]:
+    def results(self) -> list[Tensor | tuple | None]:
         """One result per call: a tensor, or a tuple for tuple-valued outputs / several inputs."""
         out = []
         for single, records in self.calls:
@@ -110,7 +113,7 @@ def _resolve(model: nn.Module, layer: nn.Module | str) -> nn.Module:
 
 def _backward_to_taps(logits: Tensor, seed: Tensor, tappers: Sequence[_Tapper]) -> None:
     """Propagate the seed down to the deepest tap only."""
-    below = [record.below for tapper in tappers for record in tapper.records()]
+    below = [record.below for tapper in tappers for record in tapper.records() if record.below is not None]
     if not below:
         raise RuntimeError("relprop: no relevance reaches the requested layer(s): they did not run in the "
                            "forward pass, or their outputs do not depend on the input")
@@ -128,7 +131,7 @@ def _tile_target(target: Target, times: int) -> Target:
     return target
 
 
-class LayerLRP:
+class LayerLRP(Attribution):
     """Relevance at a layer's output (default) or input, with captum's interface.
 
     Parameters
@@ -142,23 +145,28 @@ class LayerLRP:
         As for :class:`relprop.LRP`.
     """
 
-    def __init__(self, model: nn.Module, layer: nn.Module | str | Sequence[nn.Module | str], composite=None,
-                 strict: bool = False):
-        self.lrp = LRP(model, composite, strict)
-        self._many = isinstance(layer, (list, tuple))
-        self.layers = [_resolve(model, item) for item in (layer if self._many else [layer])]
+    multiplies_by_inputs = True
 
-    def _run(self, inputs, target, additional_forward_args, attribute_to_layer_input, reduce=None):
+    def __init__(self, model: nn.Module, layer: nn.Module | str | Sequence[nn.Module | str],
+                 composite: Composite | str | None = None, strict: bool = False):
+        self.lrp = LRP(model, composite, strict)
+        super().__init__(self.lrp.model)
+        self._many = isinstance(layer, (list, tuple))
+        layers: Sequence[nn.Module | str] = layer if isinstance(layer, (list, tuple)) else [layer]  # type: ignore
+        self.layers = [_resolve(model, item) for item in layers]
+
+    def _run(self, inputs: Inputs, target: Target, additional_forward_args: Any, attribute_to_layer_input: bool,
+             reduce: Reduce | None = None) -> tuple[Tensor, list[_Tapper]]:
         tappers = [_Tapper(attribute_to_layer_input, reduce) for _ in self.layers]
         with torch.inference_mode(False):
-            explained = self.lrp.forward(inputs, additional_forward_args, taps=dict(zip(self.layers, tappers)))
+            explained = self.lrp.record(inputs, additional_forward_args, taps=dict(zip(self.layers, tappers)))
             seed = output_relevance(explained.logits, target)
             _backward_to_taps(explained.logits, seed, tappers)
         return seed, tappers
 
-    def attribute(self, inputs: Tensor | Sequence[Tensor], target: Target = None,
-                  additional_forward_args: Any = None, return_convergence_delta: bool = False,
-                  attribute_to_layer_input: bool = False):
+    @_captum_entry
+    def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,
+                  return_convergence_delta: bool = False, attribute_to_layer_input: bool = False) -> Any:
         """Relevance at the layer(s) for the model's output at ``target``.
 
         Returns
@@ -174,11 +182,18 @@ class LayerLRP:
         result = results if self._many else results[0]
         if not return_convergence_delta:
             return result
-        deltas = [_one_or_list([seed.reshape(seed.shape[0], -1).sum(1) - _total(r) for r in tapper.results()])
-                  for tapper in tappers]
+        deltas = [_one_or_list([convergence_delta(seed, r) for r in tapper.results()]) for tapper in tappers]
         return result, (deltas if self._many else deltas[0])
 
-    def channel_relevance(self, inputs: Tensor | Sequence[Tensor], target: Target = None,
+    def compute_convergence_delta(self, attributions: Inputs, output: Tensor) -> Tensor:
+        """``output - layer relevance total`` per example, for one layer's result of one call.
+
+        ``output`` is the explained output value per example (shape ``(N,)``)
+        or the whole output relevance (batch first).
+        """
+        return convergence_delta(output, attributions)
+
+    def channel_relevance(self, inputs: Inputs, target: Target = None,
                           additional_forward_args: Any = None) -> Tensor:
         """Relevance of each channel (dimension 1) of the layer's output, per example: shape (N, C).
 
@@ -215,7 +230,7 @@ class LayerLRP:
         repeated = inputs.repeat(count, *[1] * (inputs.dim() - 1))
         tapper = _Tapper(input=False)
         with torch.inference_mode(False):
-            explained = self.lrp.forward(repeated, additional_forward_args, taps={layer: tapper})
+            explained = self.lrp.record(repeated, additional_forward_args, taps={layer: tapper})
             (leaf,) = explained.inputs
             if len(tapper.calls) != 1:
                 raise ValueError(f"relprop: conditioning needs a layer that runs once, "
@@ -232,6 +247,7 @@ class LayerLRP:
                                      f"{relevance.shape[1]}")
                 mask[k, channels] = 1.0
             mask = mask.repeat_interleave(batch, 0).reshape(count * batch, -1, *[1] * (relevance.dim() - 2))
+            assert record.below is not None, "the tap of a layer that ran has its tensor"
             (through,) = torch.autograd.grad(record.below, leaf, relevance * mask)
         return through.reshape(count, batch, *inputs.shape[1:])
 
@@ -241,13 +257,8 @@ class LayerLRP:
         return self.layers[0]
 
 
-def _one_or_list(results: list):
+def _one_or_list(results: list) -> Any:
     return results[0] if len(results) == 1 else results
-
-
-def _total(result) -> Tensor:
-    parts = result if isinstance(result, tuple) else (result,)
-    return sum(p.reshape(p.shape[0], -1).sum(1) for p in parts if p is not None)
 
 
 class ModuleRelevance(Mapping):
@@ -262,7 +273,7 @@ class ModuleRelevance(Mapping):
         self._tappers = {name: tapper for name, tapper in tappers.items() if tapper.calls}
         self.input = input
 
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> Any:
         return _one_or_list(self._tappers[name].results())
 
     def __iter__(self) -> Iterator[str]:
@@ -272,9 +283,9 @@ class ModuleRelevance(Mapping):
         return len(self._tappers)
 
 
-def module_relevance(model: nn.Module, inputs: Tensor | Sequence[Tensor], target: Target = None, composite=None,
-                     modules: str | Sequence[str] = "*", reduce: Reduce | None = None,
-                     additional_forward_args: Any = None) -> ModuleRelevance:
+def module_relevance(model: nn.Module, inputs: Inputs, target: Target = None,
+                     composite: Composite | str | None = None, modules: str | Sequence[str] = "*",
+                     reduce: Reduce | None = None, additional_forward_args: Any = None) -> ModuleRelevance:
     """Relevance at the output of every selected module, in one forward and one backward pass.
 
     Parameters
@@ -291,6 +302,6 @@ def module_relevance(model: nn.Module, inputs: Tensor | Sequence[Tensor], target
                if name and any(fnmatchcase(name, pattern) for pattern in patterns)}
     by_module = {model.get_submodule(name): tapper for name, tapper in tappers.items()}
     with torch.inference_mode(False):
-        explained = lrp.forward(inputs, additional_forward_args, taps=by_module)
+        explained = lrp.record(inputs, additional_forward_args, taps=by_module)
         relevance = explained.relevance(output_relevance(explained.logits, target))
     return ModuleRelevance(tappers, relevance)

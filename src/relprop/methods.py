@@ -1,149 +1,429 @@
-"""Other attribution methods, with the same interface as :class:`relprop.LRP`, for comparison.
+"""Other attribution methods, with :class:`relprop.LRP`'s interface and captum's ``Attribution`` protocol.
 
-All are gradient-based and batched: SmoothGrad's noise samples, Integrated
-Gradients' path steps and Occlusion's occluded copies run as batches through
-one forward and backward pass per chunk, not as Python loops of single passes.
-The gradient is seeded with 1 at the target (captum's convention).
+All are batched: SmoothGrad's noise samples, Integrated Gradients' path
+steps and Occlusion's occluded copies run as batches through one pass per
+chunk, not as Python loops of single passes. Gradients are seeded with 1 at
+the target (captum's convention; ``target`` as for
+:func:`relprop.attribution.target_mask`). Inputs are a tensor or a
+tuple of floating-point tensors, batch first; ``additional_forward_args`` is
+a tuple of further positional arguments or a dict of keyword arguments, and
+its tensors whose first dimension is the batch are repeated with the inputs.
+
+Like captum's, every class works inside ``captum.attr.NoiseTunnel`` and with
+``captum.metrics.infidelity`` / ``sensitivity_max``.
 """
 from __future__ import annotations
 
+import itertools
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .attribution import _as_tuple, model_logits, target_mask
+from .attribution import (Attribution, Inputs, Target, _as_tuple, _captum_entry, _forward_arguments,
+                          convergence_delta, model_logits, target_mask)
 
-__all__ = ["Gradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "Occlusion"]
+__all__ = ["InputGradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "Occlusion", "Gradient"]
 
-
-class _Method:
-    """A model explained on its logits, target by captum's semantics, for one input tensor."""
-
-    def __init__(self, model: nn.Module, chunk_size: int = 256):
-        self.model = model
-        self.chunk_size = chunk_size
-
-    def _unit_seed(self, logits: Tensor, target: Any) -> Tensor:
-        return target_mask(logits.detach(), target).to(logits.dtype)
-
-    def gradient(self, x: Tensor, target: Any, extra: tuple = ()) -> Tensor:
-        """Gradient of the target output with respect to ``x`` (a batch)."""
-        with torch.enable_grad():
-            leaf = x.detach().requires_grad_()
-            logits = model_logits(self.model(leaf, *extra))
-            (grad,) = torch.autograd.grad(logits, leaf, self._unit_seed(logits, target))
-        return grad
-
-    def _repeated_gradient(self, copies: Tensor, target: Any, per_example: int, extra: tuple) -> Tensor:
-        """Gradients of ``copies`` (``per_example`` consecutive copies of each example), in chunks."""
-        targets = _interleave_target(target, per_example)
-        grads = []
-        for start in range(0, copies.shape[0], self.chunk_size):
-            stop = start + self.chunk_size
-            chunk_target = targets[start:stop] if isinstance(targets, list) else targets
-            grads.append(self.gradient(copies[start:stop], chunk_target, extra))
-        return torch.cat(grads)
+Arguments = tuple[tuple, dict]  # positional and keyword arguments after the inputs
+_CHUNK = 256  # examples per forward pass where a method runs many copies and the caller does not say
 
 
-def _interleave_target(target: Any, times: int) -> Any:
-    """Per-example targets for ``times`` consecutive copies of each example; other targets as they are."""
-    if isinstance(target, Tensor) and target.dim() == 1 or isinstance(target, list):
-        return [t for t in (target.tolist() if isinstance(target, Tensor) else target) for _ in range(times)]
+def _format_inputs(inputs: Inputs) -> tuple[Tensor, ...]:
+    """The inputs as a tuple of floating-point tensors, or a one-line error."""
+    items = _as_tuple(inputs)
+    if not items or not all(isinstance(x, Tensor) and x.is_floating_point() for x in items):
+        raise TypeError("relprop: inputs must be a floating-point tensor or a tuple of them, batch first")
+    return items
+
+
+def _as_given(inputs: Inputs, results: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+    """A tensor for a tensor input, a tuple for tuple inputs (captum's convention)."""
+    return results[0] if isinstance(inputs, Tensor) else results
+
+
+def _repeat_arguments(arguments: Arguments, batch: int, times: int) -> Arguments:
+    """The arguments for ``times`` consecutive copies of each example: batch-first tensors repeated."""
+    def repeat(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.dim() and value.shape[0] == batch:
+            return value.repeat_interleave(times, 0)
+        return value
+    positional, keywords = arguments
+    return tuple(repeat(a) for a in positional), {key: repeat(a) for key, a in keywords.items()}
+
+
+def _slice_arguments(arguments: Arguments, batch: int, start: int, stop: int) -> Arguments:
+    """The rows ``start:stop`` of every batch-first tensor argument."""
+    def rows(value: Any) -> Any:
+        return value[start:stop] if isinstance(value, Tensor) and value.dim() and value.shape[0] == batch else value
+    positional, keywords = arguments
+    return tuple(rows(a) for a in positional), {key: rows(a) for key, a in keywords.items()}
+
+
+def _interleave_target(target: Target, times: int) -> Target:
+    """Per-example targets for ``times`` consecutive copies of each example; a target for all as it is."""
+    if (isinstance(target, Tensor) and target.dim() == 1 and target.numel() > 1
+            or isinstance(target, list) and len(target) > 1):
+        items = target.tolist() if isinstance(target, Tensor) else target
+        return [item for item in items for _ in range(times)]
     return target
 
 
-class Gradient(_Method):
-    """The plain gradient (saliency without absolute value)."""
+class _GradientMethod(Attribution):
+    """A model explained on its logits through gradients seeded with 1 at the target."""
 
-    def attribute(self, inputs: Tensor, target: Any = None, additional_forward_args: Any = None) -> Tensor:
-        return self.gradient(inputs, target, _as_tuple(additional_forward_args))
+    def _gradients(self, inputs: tuple[Tensor, ...], target: Target, arguments: Arguments) -> tuple[Tensor, ...]:
+        """Gradient of the target output with respect to each input (one batch)."""
+        with torch.enable_grad():
+            leaves = tuple(x.detach().requires_grad_() for x in inputs)
+            logits = model_logits(self.forward_func(*leaves, *arguments[0], **arguments[1]))
+            seed = target_mask(logits.detach(), target).to(logits.dtype)
+            grads = torch.autograd.grad(logits, leaves, seed, allow_unused=True)
+        return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads))
+
+    def _repeated_gradients(self, copies: tuple[Tensor, ...], target: Target, per_example: int,
+                            arguments: Arguments, chunk_size: int) -> tuple[Tensor, ...]:
+        """Gradients of ``copies`` (``per_example`` consecutive copies of each example), in chunks."""
+        batch = copies[0].shape[0] // per_example
+        targets = _interleave_target(target, per_example)
+        arguments = _repeat_arguments(arguments, batch, per_example)
+        parts = []
+        for start in range(0, copies[0].shape[0], chunk_size):
+            stop = start + chunk_size
+            chunk_target = targets[start:stop] if isinstance(targets, list) else targets
+            chunk_arguments = _slice_arguments(arguments, batch * per_example, start, stop)
+            parts.append(self._gradients(tuple(c[start:stop] for c in copies), chunk_target, chunk_arguments))
+        return tuple(torch.cat(grads) for grads in zip(*parts))
 
 
-class GradientXInput(_Method):
-    """Gradient times input."""
+class InputGradient(_GradientMethod):
+    """The gradient of the target output with respect to the inputs (captum's ``Saliency`` with ``abs=False``).
 
-    def attribute(self, inputs: Tensor, target: Any = None, additional_forward_args: Any = None) -> Tensor:
-        return self.gradient(inputs, target, _as_tuple(additional_forward_args)) * inputs
+    Parameters
+    ----------
+    forward_func : callable
+        The model.
+    """
+
+    @_captum_entry
+    def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None
+                  ) -> Tensor | tuple[Tensor, ...]:
+        """The gradient, shaped like the inputs."""
+        return _as_given(inputs, self._gradients(_format_inputs(inputs), target,
+                                                 _forward_arguments(additional_forward_args)))
 
 
-class SmoothGrad(_Method):
+class Gradient(InputGradient):
+    """Deprecated name of :class:`InputGradient` (it clashed with :class:`relprop.rules.Gradient`)."""
+
+    def __init__(self, forward_func: Callable[..., Any]):
+        warnings.warn("relprop: methods.Gradient is deprecated, use methods.InputGradient", DeprecationWarning,
+                      stacklevel=2)
+        super().__init__(forward_func)
+
+    @classmethod
+    def get_name(cls) -> str:
+        return InputGradient.get_name()
+
+
+class GradientXInput(_GradientMethod):
+    """Gradient times input (captum's ``InputXGradient``)."""
+
+    multiplies_by_inputs = True
+
+    @_captum_entry
+    def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None
+                  ) -> Tensor | tuple[Tensor, ...]:
+        """Gradient times input, shaped like the inputs."""
+        items = _format_inputs(inputs)
+        grads = self._gradients(items, target, _forward_arguments(additional_forward_args))
+        return _as_given(inputs, tuple(g * x for g, x in zip(grads, items)))
+
+
+class SmoothGrad(_GradientMethod):
     """The gradient averaged over noisy copies of the input (Smilkov et al. 2017).
 
     Parameters
     ----------
+    forward_func : callable
     samples : int
     noise : float
-        Standard deviation of the noise as a fraction of each example's value range.
+        Standard deviation of the noise as a fraction of each example's value
+        range (Smilkov et al.'s noise level; captum's ``NoiseTunnel`` takes an
+        absolute ``stdevs`` instead).
+    chunk_size : int
+        Copies per forward and backward pass.
     """
 
-    def __init__(self, model: nn.Module, samples: int = 32, noise: float = 0.15, chunk_size: int = 256):
-        super().__init__(model, chunk_size)
-        self.samples, self.noise = samples, noise
+    def __init__(self, forward_func: Callable[..., Any], samples: int = 32, noise: float = 0.15,
+                 chunk_size: int = _CHUNK):
+        super().__init__(forward_func)
+        self.samples, self.noise, self.chunk_size = samples, noise, chunk_size
 
-    def attribute(self, inputs: Tensor, target: Any = None, additional_forward_args: Any = None) -> Tensor:
-        span = (inputs.flatten(1).amax(1) - inputs.flatten(1).amin(1)).reshape(-1, *[1] * (inputs.dim() - 1))
-        copies = inputs.repeat_interleave(self.samples, 0)
-        copies = copies + torch.randn_like(copies) * self.noise * span.repeat_interleave(self.samples, 0)
-        grads = self._repeated_gradient(copies, target, self.samples, _as_tuple(additional_forward_args))
-        return grads.reshape(inputs.shape[0], self.samples, *inputs.shape[1:]).mean(1)
+    @_captum_entry
+    def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None
+                  ) -> Tensor | tuple[Tensor, ...]:
+        """The mean gradient over ``samples`` noisy copies, shaped like the inputs."""
+        items = _format_inputs(inputs)
+        copies = []
+        for x in items:
+            flat = x.flatten(1)
+            span = (flat.amax(1) - flat.amin(1)).reshape(-1, *[1] * (x.dim() - 1))
+            repeated = x.repeat_interleave(self.samples, 0)
+            copies.append(repeated + torch.randn_like(repeated) * self.noise * span.repeat_interleave(self.samples, 0))
+        grads = self._repeated_gradients(tuple(copies), target, self.samples,
+                                         _forward_arguments(additional_forward_args), self.chunk_size)
+        return _as_given(inputs, tuple(g.reshape(x.shape[0], self.samples, *x.shape[1:]).mean(1)
+                                       for g, x in zip(grads, items)))
 
 
-class IntegratedGradients(_Method):
-    """Path-integrated gradients from a baseline (Sundararajan et al. 2017), Riemann midpoint rule.
+def _path_points(method: str, n_steps: int) -> tuple[Tensor, Tensor]:
+    """Positions on the path from baseline (0) to input (1), and their weights, in float64."""
+    if n_steps < 1 or method == "riemann_trapezoid" and n_steps < 2:
+        raise ValueError(f"relprop: n_steps={n_steps} is too few for method {method!r}")
+    steps = torch.arange(n_steps, dtype=torch.float64)
+    even = torch.full((n_steps,), 1.0 / n_steps, dtype=torch.float64)
+    if method == "riemann_left":
+        return steps / n_steps, even
+    if method == "riemann_right":
+        return (steps + 1) / n_steps, even
+    if method == "riemann_middle":
+        return (steps + 0.5) / n_steps, even
+    if method == "riemann_trapezoid":
+        weights = torch.full((n_steps,), 1.0 / (n_steps - 1), dtype=torch.float64)
+        weights[[0, -1]] /= 2
+        return steps / (n_steps - 1), weights
+    if method == "gausslegendre":
+        # Golub-Welsch: the nodes are the eigenvalues of Legendre's Jacobi matrix, the weights come from
+        # the first components of its eigenvectors; mapped from [-1, 1] to [0, 1]
+        k = torch.arange(1, n_steps, dtype=torch.float64)
+        off_diagonal = k / torch.sqrt(4 * k * k - 1)
+        nodes, vectors = torch.linalg.eigh(torch.diag(off_diagonal, 1) + torch.diag(off_diagonal, -1))
+        return (nodes + 1) / 2, vectors[0] ** 2
+    raise ValueError(f"relprop: unknown integration method {method!r}; use one of riemann_left, riemann_right, "
+                     "riemann_middle, riemann_trapezoid, gausslegendre")
+
+
+def _format_baselines(items: tuple[Tensor, ...], baselines: Any) -> tuple[Tensor, ...]:
+    """One baseline per input, broadcast to its shape: None (zeros), a number, a tensor, or a tuple of those."""
+    given = baselines if isinstance(baselines, tuple) else (baselines,) * len(items)
+    if len(given) != len(items):
+        raise ValueError(f"relprop: {len(given)} baselines given for {len(items)} inputs")
+    formatted = []
+    for x, baseline in zip(items, given):
+        value = torch.as_tensor(0.0 if baseline is None else baseline, dtype=x.dtype, device=x.device)
+        try:
+            formatted.append(value.expand_as(x))
+        except RuntimeError as error:
+            raise ValueError(f"relprop: a baseline of shape {tuple(value.shape)} does not fit an input of shape "
+                             f"{tuple(x.shape)}") from error
+    return tuple(formatted)
+
+
+class IntegratedGradients(_GradientMethod):
+    """Path-integrated gradients from a baseline (Sundararajan et al. 2017), captum's arguments and defaults.
 
     Parameters
     ----------
-    steps : int
-    baseline : float or Tensor
+    forward_func : callable
+        The model.
+    multiply_by_inputs : bool
+        True: ``(input - baseline) * mean gradient`` (integrated gradients);
+        False: the mean gradient along the path alone (captum's flag).
+    steps, baseline, chunk_size :
+        Deprecated: pass ``n_steps``, ``baselines``, ``internal_batch_size``
+        to :meth:`attribute`. Given here, they become its defaults with
+        ``method="riemann_middle"`` (the former fixed rule).
     """
 
-    def __init__(self, model: nn.Module, steps: int = 32, baseline: float | Tensor = 0.0, chunk_size: int = 256):
-        super().__init__(model, chunk_size)
-        self.steps, self.baseline = steps, baseline
+    def __init__(self, forward_func: Callable[..., Any], multiply_by_inputs: bool = True, *,
+                 steps: int | None = None, baseline: float | Tensor | None = None, chunk_size: int | None = None):
+        super().__init__(forward_func)
+        self.multiplies_by_inputs = multiply_by_inputs
+        self._defaults: dict[str, Any] = {"n_steps": 50, "method": "gausslegendre", "baselines": None,
+                                          "internal_batch_size": None}
+        if steps is not None or baseline is not None or chunk_size is not None:
+            warnings.warn("relprop: IntegratedGradients(steps=, baseline=, chunk_size=) is deprecated; pass "
+                          "n_steps=, baselines=, internal_batch_size= (and method=) to attribute",
+                          DeprecationWarning, stacklevel=2)
+            self._defaults.update(n_steps=32 if steps is None else steps, method="riemann_middle",
+                                  baselines=baseline, internal_batch_size=chunk_size)
 
-    def attribute(self, inputs: Tensor, target: Any = None, additional_forward_args: Any = None) -> Tensor:
-        baseline = torch.as_tensor(self.baseline, dtype=inputs.dtype, device=inputs.device).expand_as(inputs)
-        alphas = (torch.arange(self.steps, dtype=inputs.dtype, device=inputs.device) + 0.5) / self.steps
-        alphas = alphas.reshape(1, -1, *[1] * (inputs.dim() - 1))
-        path = baseline.unsqueeze(1) + alphas * (inputs - baseline).unsqueeze(1)
-        grads = self._repeated_gradient(path.flatten(0, 1), target, self.steps, _as_tuple(additional_forward_args))
-        mean_grad = grads.reshape(inputs.shape[0], self.steps, *inputs.shape[1:]).mean(1)
-        return (inputs - baseline) * mean_grad
+    @_captum_entry
+    def attribute(self, inputs: Inputs, baselines: Any = None, target: Target = None,
+                  additional_forward_args: Any = None, n_steps: int | None = None, method: str | None = None,
+                  internal_batch_size: int | None = None, return_convergence_delta: bool = False) -> Any:
+        """Integrated gradients of the target output, shaped like the inputs.
+
+        Parameters
+        ----------
+        inputs : Tensor or tuple of Tensors
+        baselines : None (zeros), number, Tensor or tuple of them
+            The path's start; a tensor broadcasts to its input's shape.
+        target : as for :meth:`relprop.LRP.attribute`
+        additional_forward_args : tuple or dict, optional
+        n_steps : int
+            Points on the path (default 50).
+        method : str
+            ``"gausslegendre"`` (default, as captum), ``"riemann_left"``,
+            ``"riemann_right"``, ``"riemann_middle"`` or ``"riemann_trapezoid"``
+            (the trapezoid rule, weights ``1/(n_steps-1)`` halved at the ends;
+            captum 0.9 uses ``1/n_steps``, which integrates only
+            ``(n_steps-1)/n_steps`` of the path).
+        internal_batch_size : int, optional
+            Path points per forward and backward pass (default 256).
+        return_convergence_delta : bool
+            Also return captum's completeness error per example:
+            ``attributions total - (f(inputs) - f(baselines))`` at the target.
+        """
+        n_steps = self._defaults["n_steps"] if n_steps is None else n_steps
+        method = self._defaults["method"] if method is None else method
+        baselines = self._defaults["baselines"] if baselines is None else baselines
+        internal_batch_size = internal_batch_size or self._defaults["internal_batch_size"] or _CHUNK
+        items = _format_inputs(inputs)
+        starts = _format_baselines(items, baselines)
+        arguments = _forward_arguments(additional_forward_args)
+        alphas, weights = _path_points(method, n_steps)
+        paths = []
+        for x, start in zip(items, starts):
+            shape = (1, n_steps, *[1] * (x.dim() - 1))
+            path = start.unsqueeze(1) + alphas.to(x).reshape(shape) * (x - start).unsqueeze(1)
+            paths.append(path.flatten(0, 1))
+        grads = self._repeated_gradients(tuple(paths), target, n_steps, arguments, internal_batch_size)
+        attributions = []
+        for g, x, start in zip(grads, items, starts):
+            shape = (1, n_steps, *[1] * (x.dim() - 1))
+            mean_grad = (g.reshape(x.shape[0], n_steps, *x.shape[1:]) * weights.to(x).reshape(shape)).sum(1)
+            attributions.append((x - start) * mean_grad if self.multiplies_by_inputs else mean_grad)
+        result = _as_given(inputs, tuple(attributions))
+        if not return_convergence_delta:
+            return result
+        return result, self.compute_convergence_delta(result, starts, items, target, additional_forward_args)
+
+    def compute_convergence_delta(self, attributions: Inputs, start_point: Any, end_point: Inputs,
+                                  target: Target = None, additional_forward_args: Any = None) -> Tensor:
+        """captum's completeness error: ``attributions total - (f(end_point) - f(start_point))`` per example.
+
+        The sign is captum's for gradient methods, the opposite of
+        :meth:`relprop.LRP.compute_convergence_delta` (explained minus attributed).
+        """
+        ends = _format_inputs(end_point)
+        starts = _format_baselines(ends, start_point)
+        arguments = _forward_arguments(additional_forward_args)
+        with torch.no_grad():
+            explained = (_target_totals(self.forward_func(*ends, *arguments[0], **arguments[1]), target)
+                         - _target_totals(self.forward_func(*starts, *arguments[0], **arguments[1]), target))
+        return -convergence_delta(explained, attributions)
 
 
-class Occlusion(_Method):
-    """Output drop when a square window (all channels) is set to ``baseline`` (Zeiler & Fergus 2014).
+class Occlusion(Attribution):
+    """Output drop when a window of the input is set to a baseline (Zeiler & Fergus 2014), captum's arguments.
 
-    Each pixel gets the mean drop over the windows that cover it.
+    The window slides over all dimensions after the batch; where the input
+    is not a whole number of strides, the last window is cut at the edge.
+    Each feature gets the mean drop of the target output over the windows
+    that cover it (captum's ``Occlusion``). The occluded copies run as
+    batches; tuple inputs are occluded one at a time.
+
+    Parameters
+    ----------
+    forward_func : callable
+        The model.
     """
 
-    def __init__(self, model: nn.Module, window: int = 4, stride: int = 2, baseline: float = 0.0,
-                 chunk_size: int = 256):
-        super().__init__(model, chunk_size)
-        self.window, self.stride, self.baseline = window, stride, baseline
+    multiplies_by_inputs = True  # captum's flag for perturbation methods
 
+    @_captum_entry
     @torch.no_grad()
-    def attribute(self, inputs: Tensor, target: Any = None, additional_forward_args: Any = None) -> Tensor:
-        extra = _as_tuple(additional_forward_args)
-        height, width = inputs.shape[-2:]
-        corners = [(top, left) for top in range(0, max(height - self.window, 0) + 1, self.stride)
-                   for left in range(0, max(width - self.window, 0) + 1, self.stride)]
-        logits = model_logits(self.model(inputs, *extra))
-        seed = self._unit_seed(logits, target)
-        reference = (logits * seed).flatten(1).sum(1)
-        drop = torch.zeros(inputs.shape[0], height, width, dtype=inputs.dtype, device=inputs.device)
-        count = torch.zeros(height, width, dtype=inputs.dtype, device=inputs.device)
-        per_chunk = max(1, self.chunk_size // inputs.shape[0])
-        for start in range(0, len(corners), per_chunk):
-            chunk = corners[start:start + per_chunk]
-            copies = inputs.unsqueeze(0).repeat(len(chunk), *[1] * inputs.dim())
-            for i, (top, left) in enumerate(chunk):
-                copies[i, ..., top:top + self.window, left:left + self.window] = self.baseline
-            out = model_logits(self.model(copies.flatten(0, 1), *extra))
-            scores = (out * seed.repeat(len(chunk), *[1] * (seed.dim() - 1))).flatten(1).sum(1)
-            scores = scores.reshape(len(chunk), inputs.shape[0])
-            for i, (top, left) in enumerate(chunk):
-                drop[:, top:top + self.window, left:left + self.window] += (reference - scores[i]).reshape(-1, 1, 1)
-                count[top:top + self.window, left:left + self.window] += 1
-        return (drop / count.clamp(min=1)).unsqueeze(1).expand_as(inputs) / inputs.shape[1]
+    def attribute(self, inputs: Inputs, sliding_window_shapes: tuple[int, ...] | tuple[tuple[int, ...], ...],
+                  strides: int | tuple[int, ...] | tuple[int | tuple[int, ...], ...] | None = None,
+                  baselines: Any = None, target: Target = None, additional_forward_args: Any = None,
+                  perturbations_per_eval: int | None = None) -> Tensor | tuple[Tensor, ...]:
+        """The mean output drop per feature, shaped like the inputs.
+
+        Parameters
+        ----------
+        inputs : Tensor or tuple of Tensors
+        sliding_window_shapes : tuple of ints, or one per input
+            The window, over every dimension after the batch (``(C, 4, 4)``
+            for a 4x4 patch through all channels of an image).
+        strides : int or tuple, or one per input
+            Steps of the window per dimension (default 1).
+        baselines : None (zeros), number, Tensor or tuple of them
+            What an occluded window is set to.
+        target, additional_forward_args :
+            As for :meth:`relprop.LRP.attribute`.
+        perturbations_per_eval : int, optional
+            Occluded copies of each example per forward pass (default: as
+            many as keep a pass at 256 examples or fewer).
+        """
+        items = _format_inputs(inputs)
+        windows = _per_input(sliding_window_shapes, items, "sliding_window_shapes")
+        steps = _per_input(1 if strides is None else strides, items, "strides")
+        starts = _format_baselines(items, baselines)
+        arguments = _forward_arguments(additional_forward_args)
+        batch = items[0].shape[0]
+        per_pass = perturbations_per_eval or max(1, _CHUNK // batch)
+        reference = _target_totals(self.forward_func(*items, *arguments[0], **arguments[1]), target)
+        results = []
+        for index, (x, window, stride, start) in enumerate(zip(items, windows, steps, starts)):
+            masks = _window_masks(x.shape[1:], _dims(window, x, "sliding_window_shapes"), _dims(stride, x, "strides"))
+            drop = torch.zeros_like(x)
+            for first in range(0, len(masks), per_pass):
+                chunk = torch.stack(masks[first:first + per_pass]).to(x.device)  # (K, *x.shape[1:])
+                count = chunk.shape[0]
+                # example-major copies: the K occluded copies of each example are consecutive
+                occluded = torch.where(chunk, start.unsqueeze(1), x.unsqueeze(1)).flatten(0, 1)
+                copies = tuple(occluded if i == index else other.repeat_interleave(count, 0)
+                               for i, other in enumerate(items))
+                positional, keywords = _repeat_arguments(arguments, batch, count)
+                scores = _target_totals(self.forward_func(*copies, *positional, **keywords),
+                                        _interleave_target(target, count)).reshape(batch, count)
+                drop += ((reference.unsqueeze(1) - scores).reshape(batch, count, *[1] * (x.dim() - 1))
+                         * chunk.unsqueeze(0)).sum(1)
+            covered = torch.stack(masks).sum(0).to(x)
+            results.append(drop / covered)
+        return _as_given(inputs, tuple(results))
+
+
+def _target_totals(output: Any, target: Target) -> Tensor:
+    """The model output at ``target``, summed per example."""
+    logits = model_logits(output)
+    return (logits * target_mask(logits, target)).reshape(logits.shape[0], -1).sum(1)
+
+
+def _per_input(value: Any, items: tuple[Tensor, ...], name: str) -> tuple[Any, ...]:
+    """One window (or stride) per input: a single input takes ``value`` (or a tuple of one), several a tuple."""
+    if isinstance(value, int):
+        return (value,) * len(items)
+    if len(items) == 1:
+        return value if len(value) == 1 and isinstance(value[0], tuple) else (value,)
+    if not isinstance(value, tuple) or len(value) != len(items):
+        raise ValueError(f"relprop: {name} needs one entry per input ({len(items)} inputs), got {value!r}")
+    return value
+
+
+def _dims(value: int | tuple[int, ...], x: Tensor, name: str) -> tuple[int, ...]:
+    """A window or stride over every dimension after the batch."""
+    dims = (value,) * (x.dim() - 1) if isinstance(value, int) else tuple(value)
+    if len(dims) != x.dim() - 1 or any(d < 1 for d in dims):
+        raise ValueError(f"relprop: {name} {value!r} must give a positive size for each of the "
+                         f"{x.dim() - 1} dimensions after the batch of an input of shape {tuple(x.shape)}")
+    return dims
+
+
+def _window_masks(shape: torch.Size, window: tuple[int, ...], stride: tuple[int, ...]) -> list[Tensor]:
+    """Boolean masks of every window position; the last position per dimension is cut at the edge."""
+    if any(w > size for w, size in zip(window, shape)):
+        raise ValueError(f"relprop: the window {window} is larger than the input's {tuple(shape)}")
+    if any(step > w and w < size for step, w, size in zip(stride, window, shape)):
+        raise ValueError(f"relprop: strides {stride} larger than the window {window} leave features uncovered")
+    starts = [range(0, size - w + step, step) for size, w, step in zip(shape, window, stride)]
+    masks = []
+    for corner in itertools.product(*starts):
+        mask = torch.zeros(shape, dtype=torch.bool)
+        mask[tuple(slice(c, c + w) for c, w in zip(corner, window))] = True
+        masks.append(mask)
+    return masks

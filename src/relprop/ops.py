@@ -1,4 +1,4 @@
-"""Op families: how each torch function is intercepted (DESIGN.md section 3).
+"""Op families: how each torch function is intercepted (docs/design.md, section 3).
 
 :data:`HANDLERS` maps a torch function (``torch.conv2d``, ``Tensor.add``,
 ``F.relu``, ...) to a handler ``(session, func, args, kwargs) -> output``.
@@ -21,9 +21,9 @@ from torch import Tensor
 
 from .graph import InPlaceSumCall, OpCall, ParametricCall, is_activation, substitute, write_into
 from .recurrent import RECURRENT_HANDLERS
-from .rules import Pass, inverse_denominator
+from .rules import Gradient, Pass, inverse_denominator
 
-__all__ = ["HANDLERS", "ALWAYS_HANDLED", "aliases", "from_aten", "has_activation", "op_name"]
+__all__ = ["HANDLERS", "ALWAYS_HANDLED", "aliases", "from_aten", "has_activation", "has_parameter", "op_name"]
 
 Handler = Callable[[Any, Callable, tuple, dict], Any]
 
@@ -46,6 +46,16 @@ def has_activation(args: tuple, kwargs: dict) -> bool:
         if is_activation(value):
             return True
         if isinstance(value, (list, tuple)) and any(is_activation(v) for v in value):
+            return True
+    return False
+
+
+def has_parameter(args: tuple, kwargs: dict) -> bool:
+    """Whether any argument (or element of a list argument) is a tensor that requires grad (a parameter)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor) and value.requires_grad:
+            return True
+        if isinstance(value, (list, tuple)) and any(isinstance(v, Tensor) and v.requires_grad for v in value):
             return True
     return False
 
@@ -98,13 +108,40 @@ def _run(session, func, args, kwargs):
     reshaped or cast gate is still a gate.
     """
     out = func(*args, **kwargs)
-    if args and isinstance(out, Tensor) and isinstance(args[0], Tensor) and out.requires_grad:
-        tag = session.tags.get(args[0])
-        if tag is not None:
-            session.tags[out] = tag
+    if args and isinstance(args[0], Tensor) and (tag := session.tags.get(args[0])) is not None:
+        _tag(session, out, tag)
     if session.zeroed:  # entries an in-place ReLU set to 0 keep their meaning wherever they are routed
         session.carry_zeros(session.zeroed_in((*args, *kwargs.values())), out)
     return out
+
+
+#: the rule of a routing op that mixes in constants: its gradient routes relevance exactly
+_ROUTES = Gradient()
+
+
+def _combine(session, func, args, kwargs):
+    """``cat``, ``stack``, ``where``: routing, but as a node with its rule where constant tensors are mixed in.
+
+    The relevance of a learned token concatenated to the activations (a
+    ViT's class token) stops at that constant, like a bias's share: as a
+    node, the op shows it in the audit as absorbed.
+    """
+    tensors = [value for value in (*args, *kwargs.values()) for value in
+               (value if isinstance(value, (list, tuple)) else (value,)) if isinstance(value, Tensor)]
+    if all(is_activation(t) or t.dtype == torch.bool for t in tensors):
+        return _run(session, func, args, kwargs)
+    return session.run(OpCall("sum", func, args, kwargs, op_name(func), session.module_name), _ROUTES,
+                       "routing with constants")
+
+
+def _tag(session, out: Any, tag: str) -> None:
+    """Tag ``out`` (a tensor, or the tensors of a ``chunk``/``split`` result) with ``tag``."""
+    if isinstance(out, Tensor):
+        if out.requires_grad:
+            session.tags[out] = tag
+    elif type(out) in (tuple, list):
+        for value in out:
+            _tag(session, value, tag)
 
 
 def _run_in_place(session, func, args, kwargs):
@@ -114,6 +151,27 @@ def _run_in_place(session, func, args, kwargs):
     if isinstance(args[0], Tensor):
         session.overwritten(args[0])
     return out
+
+
+def _scatter_reduce(session, func, args, kwargs):
+    """``scatter_reduce``: a sum for ``"sum"`` and ``"mean"``, winner-take-all (routing) for ``"amax"``/``"amin"``."""
+    reduce = _bind_builtin(("input", "dim", "index", "src", "reduce"), args, kwargs).get("reduce")
+    if reduce in ("sum", "mean"):
+        return _sum(session, func, args, kwargs)
+    if reduce in ("amax", "amin"):
+        return _run(session, func, args, kwargs)
+    return session.unknown(func, args, kwargs)
+
+
+def _index_put(routing: Handler) -> Handler:
+    """``index_put``: routing, unless it adds the values to the entries (``accumulate=True``): then a sum."""
+    def handle(session, func, args, kwargs):
+        if not _bind_builtin(("input", "indices", "values", "accumulate"), args, kwargs).get("accumulate", False):
+            return routing(session, func, args, kwargs)
+        if routing is _run:
+            return _sum(session, func, args, kwargs)
+        return _in_place(_T.index_put, _sum)(session, func, args, kwargs)
+    return handle
 
 
 # ---------------------------------------------------------------- in place
@@ -130,6 +188,8 @@ def _protect_before(session, func, target: Tensor) -> None:
     """
     if func not in _KEEPS_NONZERO:
         session.protect(target)
+    else:
+        session.before_write(target)
 
 
 def _in_place_pass(session, func, args, kwargs, handler: Handler) -> Tensor | None:
@@ -313,7 +373,7 @@ def _addmm(session, func, args, kwargs):
     bound = _bind_builtin(("input", "mat1", "mat2"), args, kwargs)
     bias, x, weight = bound.get("input"), bound.get("mat1"), bound.get("mat2")
     if is_activation(weight) or is_activation(bias) or set(bound) - {"input", "mat1", "mat2"}:
-        return _product(matrix=True)(session, func, args, kwargs)
+        return _ADD_PRODUCTS["addmm"](session, func, args, kwargs)
     if not is_activation(x):
         return func(*args, **kwargs)
 
@@ -338,6 +398,80 @@ def _bind_builtin(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str
     bound = dict(zip(names, args))
     bound.update(kwargs)
     return bound
+
+
+# ---------------------------------------------------------------- fused ops, decomposed
+
+def _decomposed(names: tuple[str, ...], decompose: Callable[..., Tensor]) -> Handler:
+    """An op whose output is its fused kernel's, and whose relevance flows through ``decompose``.
+
+    ``decompose`` computes the same function with ops that carry rules
+    (``addcmul(a, b, c, value=v)`` as ``a + v * (b * c)``), each getting its
+    rule as if the model had written it out. ``names`` name the op's
+    positional arguments.
+    """
+    def handle(session, func, args, kwargs):
+        with torch.no_grad():
+            out = func(*args, **kwargs)
+        with session:  # back in the mode: each op of the decomposition gets its rule
+            source = decompose(**_bind_builtin(names, args, kwargs))
+        return substitute(out, source)
+    return handle
+
+
+def _scaled(value: Tensor, factor: Any) -> Tensor:
+    return value if isinstance(factor, (int, float)) and factor == 1 else value * factor
+
+
+def _beta_plus(input: Tensor, product: Tensor, beta: Any = 1, alpha: Any = 1) -> Tensor:
+    """``beta * input + alpha * product``; with ``beta == 0`` the input is ignored, as the fused ops do."""
+    product = _scaled(product, alpha)
+    return product if isinstance(beta, (int, float)) and beta == 0 else _scaled(input, beta) + product
+
+
+_ADD_PRODUCTS: dict[str, Handler] = {
+    "addcmul": _decomposed(("input", "tensor1", "tensor2"),
+                           lambda input, tensor1, tensor2, value=1: input + _scaled(tensor1 * tensor2, value)),
+    "addcdiv": _decomposed(("input", "tensor1", "tensor2"),
+                           lambda input, tensor1, tensor2, value=1: input + _scaled(tensor1 / tensor2, value)),
+    "lerp": _decomposed(("input", "end", "weight"), lambda input, end, weight: input + weight * (end - input)),
+    "addmm": _decomposed(("input", "mat1", "mat2"),
+                         lambda input, mat1, mat2, **scales: _beta_plus(input, mat1 @ mat2, **scales)),
+    "baddbmm": _decomposed(("input", "batch1", "batch2"),
+                           lambda input, batch1, batch2, **scales: _beta_plus(input, batch1 @ batch2, **scales)),
+    "addbmm": _decomposed(("input", "batch1", "batch2"),
+                          lambda input, batch1, batch2, **scales: _beta_plus(input, (batch1 @ batch2).sum(0),
+                                                                             **scales)),
+    "addmv": _decomposed(("input", "mat", "vec"),
+                         lambda input, mat, vec, **scales: _beta_plus(input, mat @ vec, **scales)),
+}
+
+
+def _norm(session, func, args, kwargs):
+    """A vector norm: positively homogeneous of degree 1, so ``x * grad ||x||`` sums to ``||x||``.
+
+    The epsilon rule on it (kind ``"sum"``) therefore conserves: ``R_i = R |x_i|^p / ||x||_p^p``. Its
+    output is a statistic: in a product (ConvNeXt-V2's ``x * (gx / gx.mean())``) it takes no relevance.
+    """
+    call = OpCall("sum", func, args, kwargs, op_name(func), session.module_name)
+    if len(call.inputs) != 1:
+        return session.unknown(func, args, kwargs)
+    out = session.run(call)
+    _tag(session, out, "statistic")
+    return out
+
+
+def _grid_sample(session, func, args, kwargs):
+    """Sampling the input at grid positions: a weighted sum of its pixels, shared like an interpolation.
+
+    The grid says where to look: like a gate, it takes no relevance, also where a network computes it
+    (spatial transformers).
+    """
+    bound = _bind(func, args, kwargs)
+    if not is_activation(bound["input"]):
+        return session.unknown(func, args, kwargs)
+    bound["grid"] = _constant(bound["grid"])
+    return _resample(session, func, (), bound)
 
 
 # ---------------------------------------------------------------- batch norm
@@ -365,7 +499,8 @@ def _batch_norm(session, func, args, kwargs):
         return func(z, mean, var, bound["weight"], bound["bias"], False, bound["momentum"], bound["eps"])
 
     merged = producer.merge_batch_norm(batch_norm, scale, shift, x)
-    merged.module_name = session.module_name
+    # both modules in the name, so that every merge shows in messages and in the audit
+    merged.module_name = f"{producer.module_name}+{session.module_name}"
     out = session.run(merged, rule=producer.rule)
     record = session.tapped.get(x)
     # a tap between the layer and its BatchNorm moves behind the merged pair: there the relevance arrives
@@ -379,6 +514,19 @@ def _linear(kind: str, linearised: Callable | None = None) -> Handler:
     def handle(session, func, args, kwargs):
         return session.run(OpCall(kind, func, args, kwargs, op_name(func), session.module_name, linearised))
     return handle
+
+
+def _resample(session, func, args, kwargs):
+    """Average pooling and interpolation: sums, whose output keeps the tag of their one activation.
+
+    A resampled sigmoid is still a gate (GhostNetV3's ``x * interpolate(sigmoid(r))``).
+    """
+    call = OpCall("sum", func, args, kwargs, op_name(func), session.module_name)
+    tag = session.tags.get(call.activations[0]) if len(call.inputs) == 1 else None
+    out = session.run(call)
+    if tag is not None:
+        _tag(session, out, tag)
+    return out
 
 
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -446,16 +594,40 @@ def _product(matrix: bool, divide: bool = False) -> Handler:
     def handle(session, func, args, kwargs):
         call = OpCall("product", func, args, kwargs, op_name(func), session.module_name)
         call.matrix = matrix
-        if len(call.inputs) > 2:
+        if len(call.inputs) > 2 and not matrix:  # (an einsum of k factors is split k ways)
             return session.unknown(func, args, kwargs)
+        scaled = None  # the tag of an activation scaled by constants: the product keeps it (a scaled gate)
         if len(call.inputs) == 1 and matrix:
             call.kind = "sum"
         elif divide:  # the divisor (the second argument) is a constant scaling of the numerator
             call.factors = tuple("divisor" if a is args[1] else None for a in call.activations)
+            if call.factors == (None,):
+                scaled = session.tags.get(call.activations[0])
         else:
             call.factors = tuple(session.tags.get(a) for a in call.activations)
-        return session.run(call)
+            if len(call.inputs) == 1 and not _gates_a_constant(call.factors[0], args):
+                scaled, call.factors = call.factors[0], (None,)  # relevance passes
+        out = session.run(call)
+        if scaled is not None:
+            session.tags[out] = scaled
+        return out
     return handle
+
+
+#: gates whose product with a constant tensor gives the relevance to that constant (GRU's ``r * b_hn`` at the
+#: first step, an LSTM's ``f * c0``): the constant is the signal, and absorbs it
+_ABSORBING_GATES = frozenset({"sigmoid", "statistic", "divisor", "exp"})
+
+
+def _gates_a_constant(tag: str | None, args: tuple) -> bool:
+    """Whether a product of one activation tagged ``tag`` with the constants in ``args`` gates a constant signal.
+
+    A number or a one-element tensor only scales the activation (Gemma-2's ``tanh(z / 30) * 30``), and an
+    activation output (CP-LRP's gate of gated MLPs) or a softmax times a constant is a scaling too.
+    """
+    if tag not in _ABSORBING_GATES:
+        return False
+    return any(isinstance(a, Tensor) and not is_activation(a) and a.numel() > 1 for a in args)
 
 
 # ---------------------------------------------------------------- softmax and attention
@@ -631,9 +803,9 @@ def _register(handler: Handler, *funcs_lists: list[Callable]) -> None:
 
 _T, _nn = torch.Tensor, torch._C._nn
 _ROUTING = (
-    "reshape flatten unflatten permute transpose swapaxes swapdims t squeeze unsqueeze cat concat concatenate "
-    "stack hstack vstack dstack split chunk tensor_split narrow select index_select gather take_along_dim movedim "
-    "moveaxis unbind roll flip fliplr flipud rot90 where masked_select masked_fill broadcast_to tile repeat_interleave "
+    "reshape flatten unflatten permute transpose swapaxes swapdims t squeeze unsqueeze "
+    "split chunk tensor_split narrow select index_select gather take_along_dim movedim "
+    "moveaxis unbind roll flip fliplr flipud rot90 masked_select masked_fill broadcast_to tile repeat_interleave "
     "diagonal tril triu max min amax amin maximum minimum fmax fmin sort topk kthvalue median clone detach "
     "constant_pad_nd dropout alpha_dropout feature_alpha_dropout feature_dropout channel_shuffle pixel_shuffle "
     "pixel_unshuffle split_with_sizes ravel atleast_1d atleast_2d atleast_3d _pack_padded_sequence "
@@ -645,10 +817,12 @@ _register(
     _lookup(_T, _ROUTING + " view view_as reshape_as expand expand_as repeat contiguous to float double half "
                 "bfloat16 type type_as cpu cuda __getitem__ unfold as_strided"),
     _lookup(F, "pad dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout pixel_shuffle "
-               "pixel_unshuffle channel_shuffle unfold fold max_pool1d_with_indices "
+               "pixel_unshuffle channel_shuffle unfold max_pool1d_with_indices "
                "max_pool2d_with_indices max_pool3d_with_indices"),
     [_T.T.__get__, _T.mT.__get__, _T.data.__get__],
 )
+_COMBINING = "cat concat concatenate stack hstack vstack dstack where"
+_register(_combine, _lookup(torch, _COMBINING), _lookup(_T, _COMBINING))
 # metadata, comparisons and other outputs without a gradient: nothing to propagate
 _NO_RELEVANCE = ("dim ndimension size numel nelement element_size stride storage_offset is_contiguous "
                  "is_floating_point is_complex __len__ __bool__ __index__ __int__ __float__ item tolist eq ne gt lt "
@@ -657,8 +831,8 @@ _NO_RELEVANCE = ("dim ndimension size numel nelement element_size stride storage
 _register(_run, _lookup(torch, _NO_RELEVANCE), _lookup(_T, _NO_RELEVANCE),
           [getattr(_T, name).__get__ for name in "shape dtype device ndim requires_grad is_cuda layout grad_fn".split()
            if hasattr(getattr(_T, name, None), "__get__")])
-_register(_run_in_place, _lookup(_T, "__setitem__ masked_fill_ copy_ zero_ fill_ index_put_ index_copy_ "
-                                     "index_fill_ scatter_ masked_scatter_"))
+_register(_run_in_place, _lookup(_T, "__setitem__ masked_fill_ copy_ zero_ fill_ index_copy_ index_fill_ scatter_ "
+                                     "masked_scatter_"))
 
 _register(_parametric("conv", _CONV), _lookup(torch, "conv1d conv2d conv3d"))
 _register(_parametric("conv", _CONV_TRANSPOSE), _lookup(torch, "conv_transpose1d conv_transpose2d conv_transpose3d"))
@@ -668,10 +842,19 @@ _register(_batch_norm, [F.batch_norm])
 
 _SUMS = "add sub rsub sum mean nansum cumsum __radd__ __rsub__"
 _sum = _linear("sum")
-_register(_sum, _lookup(torch, _SUMS), _lookup(_T, _SUMS), _lookup(torch, "avg_pool1d"),
-          _lookup(_nn, "avg_pool2d avg_pool3d"),
+# F.fold adds overlapping patches: a sum (its gradient would copy each pixel's relevance to every patch)
+_register(_sum, _lookup(torch, _SUMS), _lookup(_T, _SUMS), [F.fold])
+_register(_resample, _lookup(torch, "avg_pool1d"), _lookup(_nn, "avg_pool2d avg_pool3d"),
           _lookup(F, "adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d interpolate upsample "
                      "upsample_bilinear upsample_nearest"))
+# sums into entries chosen by an index (a mixture of experts adding each expert's output to its tokens' rows)
+_ACCUMULATE = "index_add scatter_add"
+_register(_sum, _lookup(torch, _ACCUMULATE), _lookup(_T, _ACCUMULATE))
+_register(_in_place(_T.index_add, _sum), _lookup(_T, "index_add_"))
+_register(_in_place(_T.scatter_add, _sum), _lookup(_T, "scatter_add_"))
+_register(_index_put(_run), _lookup(torch, "index_put"), _lookup(_T, "index_put"))
+_register(_scatter_reduce, _lookup(torch, "scatter_reduce"), _lookup(_T, "scatter_reduce"))
+_register(_index_put(_run_in_place), _lookup(_T, "index_put_"))
 _register(_in_place_sum(_T.add, 1), _lookup(_T, "add_ __iadd__"))
 _register(_in_place_sum(_T.sub, -1), _lookup(_T, "sub_ __isub__"))
 
@@ -680,7 +863,7 @@ _register(_linear("norm", _group_norm), [F.group_norm])
 if hasattr(F, "rms_norm"):
     _register(_linear("norm", _rms_norm), [F.rms_norm])
 
-_ELEMENTWISE = ("exp exp2 expm1 log log1p log2 sqrt abs neg negative square reciprocal pow clamp clip "
+_ELEMENTWISE = ("expm1 log log1p log2 sqrt abs neg negative square reciprocal pow clamp clip "
                 "sin cos erf __neg__ __pow__ __abs__")
 _ACTIVATIONS = "relu tanh"
 _elementwise_pass = _elementwise()
@@ -691,9 +874,13 @@ _register(_activation, _lookup(torch, _ACTIVATIONS), _lookup(_T, _ACTIVATIONS),
 _register(_with_inplace_flag(_activation),
           _lookup(F, "relu relu6 hardtanh leaky_relu elu selu celu silu mish hardswish rrelu threshold"))
 _register(_elementwise("statistic"), _lookup(torch, "rsqrt"), _lookup(_T, "rsqrt"))
+# an exponential multiplying a signal weighs it (RWKV's stabilised exp-weighted average, a state space model's
+# decay exp(A dt)): relevance carried through exp into a log-domain argument has no reference point
+_register(_elementwise("exp"), _lookup(torch, "exp exp2"), _lookup(_T, "exp exp2"))
+_register(_in_place(_T.exp, _elementwise("exp"), keeps_input=False), _lookup(_T, "exp_"), _lookup(torch, "exp_"))
 _register(_elementwise("sigmoid"), _lookup(torch, "sigmoid"), _lookup(_T, "sigmoid"), [F.sigmoid])
 _register(_with_inplace_flag(_elementwise("sigmoid")), [F.hardsigmoid])
-for _name in "relu exp sqrt rsqrt abs neg reciprocal pow clamp clip tanh".split():
+for _name in "relu sqrt rsqrt abs neg reciprocal pow clamp clip tanh".split():
     _register(_in_place(getattr(_T, _name), _elementwise_pass, keeps_input=False),
               _lookup(_T, f"{_name}_"), _lookup(torch, f"{_name}_"))
 _register(_in_place(_T.sigmoid, _elementwise("sigmoid"), keeps_input=False),
@@ -709,6 +896,13 @@ _register(_product(matrix=True), _lookup(torch, _MATMUL), _lookup(_T, _MATMUL))
 _register(_in_place(_T.mul, _product(matrix=False)), _lookup(_T, "mul_ __imul__"))
 _register(_in_place(_T.div, _product(matrix=False, divide=True)), _lookup(_T, "div_ __itruediv__"))
 
+for _name, _handler in _ADD_PRODUCTS.items():
+    if _name != "addmm":  # a dense layer, unless both factors are activations (`_addmm`)
+        _register(_handler, _lookup(torch, _name), _lookup(_T, _name))
+    _register(_in_place(getattr(_T, _name), _handler), _lookup(_T, f"{_name}_"))
+_register(_norm, _lookup(torch, "norm"), _lookup(_T, "norm"), _lookup(torch.linalg, "norm vector_norm"))
+_register(_grid_sample, [F.grid_sample])
+_register(_product(matrix=True), _lookup(torch, "_grouped_mm"))
 _register(_softmax(None), [F.softmax])
 _register(_softmax(("input", "dim", "dtype")), _lookup(torch, "softmax"), _lookup(_T, "softmax"))
 _register(_attention, [F.scaled_dot_product_attention])

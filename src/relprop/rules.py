@@ -22,7 +22,7 @@ The op call offers:
     For parametric kinds: the parameters (a BatchNorm that follows is already
     merged in) and the operation re-evaluated with other inputs or parameters.
 
-Linear rules follow the general form of DESIGN.md section 2: with modified
+Linear rules follow the general form of docs/design.md, section 2: with modified
 parameters ``rho`` the modified output ``z'`` is computed, ``s = R / (z' +
 eps * sign(z'))`` and ``R_in = x * VJP(s)``.
 """
@@ -120,6 +120,16 @@ class Rule:
     def accepts(self, call) -> bool:
         """Whether this rule can propagate through ``call``."""
         return call.kind in self.kinds
+
+    def conserves(self, call) -> bool:
+        """Whether the relevance this rule hands to ``call``'s inputs adds up to what arrived, up to a stabiliser.
+
+        Such a rule hands on ``sum_k R_k z_k / (z_k + eps)``, never more than
+        ``sum_k |R_k|``; the engine reports an op whose rule says so but hands on
+        more (:class:`~relprop.engine.ConservationWarning`). False unless a rule
+        says so: biases and bounds take or give relevance by design.
+        """
+        return False
 
     def prepare(self, call) -> None:
         """Precompute from ``call.output`` what :meth:`propagate` needs.
@@ -563,21 +573,26 @@ class ZBox(BasicRule):
     needs_output = True  # the fast form reads x W as z - b
 
     def propagate(self, call, relevance):
+        (x,) = call.inputs
+        low, high = self._fitted(call, x)
         if not getattr(call, "transposable", False):
+            if (low, high) != (self.low, self.high):
+                raise ValueError(f"relprop: ZBox bounds of shape {tuple(torch.as_tensor(self.low).shape)} do not "
+                                 f"broadcast against the input {tuple(x.shape)} of {call.describe()}; pass bounds "
+                                 "of the layer's input shape")
             return super().propagate(call, relevance)
         # x W - l W+ - h W-: x W is the output less its bias; bounds shared by the batch are evaluated once
-        (x,) = call.inputs
         w_pos, w_neg = call.weight_parts(negative=True)
         z = call.take_output()
         if z is None:
             z = call.output - call.bias_term() if call.bias is not None else call.output.clone()
         elif call.bias is not None:
             z = z.sub_(call.bias_term())
-        bounds = self._bound_weight(call, x, w_pos, w_neg)
+        bounds = self._bound_weight(call, x, low, high, w_pos, w_neg)
         if bounds is not None:
             z = z.sub_(call.evaluate(torch.ones_like(x[:1]), bounds, None))
         else:
-            low, high = _bound_image(self.low, x), _bound_image(self.high, x)
+            low, high = _bound_image(low, x), _bound_image(high, x)
             z = z.sub_(call.evaluate(low, w_pos, None)).sub_(call.evaluate(high, w_neg, None))
         shared = denominator(z, self.stabilizer)
         del z
@@ -589,7 +604,23 @@ class ZBox(BasicRule):
         grad.sub_(call.transpose_with(shared, w_pos).mul_(low))
         return (grad.sub_(call.transpose_with(shared, w_neg).mul_(high)),)
 
-    def _bound_weight(self, call, x: Tensor, w_pos: Tensor, w_neg: Tensor) -> Tensor | None:
+    def _fitted(self, call, x: Tensor) -> tuple[float | Tensor, float | Tensor]:
+        """The bounds, where they broadcast against the layer's input ``x``; else as images taken from the model
+        input's space through the routing ops that made ``x`` (a space-to-depth before the first layer).
+        """
+        bounds = (self.low, self.high)
+        if all(_broadcasts_to(torch.as_tensor(bound).shape, x.shape) for bound in bounds):
+            return bounds
+        routed = tuple(call.routed_image(bound) for bound in bounds) if hasattr(call, "routed_image") else (None,)
+        if any(image is None for image in routed):
+            raise ValueError(f"relprop: ZBox bounds of shape {tuple(torch.as_tensor(self.low).shape)} and "
+                             f"{tuple(torch.as_tensor(self.high).shape)} do not broadcast against the input "
+                             f"{tuple(x.shape)} of {call.describe()}, which is not the model input rearranged; pass "
+                             "bounds of the layer's input shape, or scalars")
+        return routed
+
+    def _bound_weight(self, call, x: Tensor, low: float | Tensor, high: float | Tensor, w_pos: Tensor,
+                      w_neg: Tensor) -> Tensor | None:
         """``l W+ + h W-`` in ``w_pos``'s memory, where both bounds are the same at every position of a channel.
 
         Then ``l W+ + h W-`` on an image of ones is ``l W+ + h W-`` of the
@@ -601,7 +632,7 @@ class ZBox(BasicRule):
         over positions or examples, or the weight is grouped.
         """
         axis = call.input_channel_axis(x)
-        low, high = (_channel_vector(bound, x, axis) for bound in (self.low, self.high))
+        low, high = (_channel_vector(bound, x, axis) for bound in (low, high))
         if low is None or high is None or call.scale_input_channels(w_neg, high) is None:
             return None
         return call.scale_input_channels(w_pos, low).add_(w_neg)
@@ -685,6 +716,9 @@ class Flat(BasicRule):
             zero_bias=True,
         )
 
+    def conserves(self, call) -> bool:
+        return True
+
 
 class Pass(Rule):
     """Pass the output relevance unchanged to the op's single activation input.
@@ -705,6 +739,9 @@ class Pass(Rule):
 
     def propagate(self, call, relevance):
         return (_sum_to(relevance, call.inputs[0].shape),)
+
+    def conserves(self, call) -> bool:
+        return True
 
 
 def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
@@ -750,6 +787,9 @@ class UniformProduct(Rule):
         if call.kind == "product":
             call.inverse = inverse_denominator(call.output, self.epsilon).div_(len(call.inputs))
 
+    def conserves(self, call) -> bool:
+        return call.kind == "product"  # a product of k activations is k-linear: x * grad sums to k z
+
     def propagate(self, call, relevance):
         if call.kind == "attention":
             return call.attention_relevance(relevance, self.epsilon, values_only=False)
@@ -787,6 +827,10 @@ class SignalTakesAll(Rule):
     def prepare(self, call) -> None:
         if getattr(call, "matrix", False):
             call.inverse = inverse_denominator(call.output, self.epsilon)
+
+    def conserves(self, call) -> bool:
+        """A gate times a constant gives the constant the relevance; else the signal takes all of it."""
+        return call.kind == "attention" or not all(call.gates)
 
     def propagate(self, call, relevance):
         if call.kind == "attention":
@@ -831,6 +875,9 @@ class Proportional(Rule):
 
     def __init__(self, epsilon: float = 1e-6):
         self.epsilon = epsilon
+
+    def conserves(self, call) -> bool:
+        return True
 
     def propagate(self, call, relevance):
         (x,) = call.inputs
