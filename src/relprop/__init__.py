@@ -18,6 +18,7 @@ and metrics take it.
 from . import composites, methods, rules
 from .attribution import LRP, Attribution, Contrastive, convergence_delta, model_logits, output_relevance
 from .audit import Audit, audit
+from .bilrp import BiLRP
 from .composites import Composite
 from .dataset import explain_dataset
 from .engine import ConservationWarning, RuleError, UnhandledOpWarning, UnsupportedOpError
@@ -27,6 +28,6 @@ __all__ = [
     "LRP", "LayerLRP", "Contrastive", "explain_dataset", "module_relevance", "ModuleRelevance", "audit", "Audit",
     "Composite", "composites", "rules", "methods", "Attribution", "output_relevance", "convergence_delta",
     "model_logits",
-    "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning",
+    "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning", "BiLRP",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,196 @@
+"""BiLRP on small models in float64: sums, closed forms, chunking, pooling, tokens, callables, bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import relprop
+from relprop.composites import Epsilon
+
+LRP0 = Epsilon(0.0)
+
+
+class Embedder(nn.Module):
+    """A bias-free ReLU CNN embedding: conv, ReLU, conv, ReLU, flatten, linear."""
+
+    def __init__(self, dims: int = 6):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1, bias=False)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.fc = nn.Linear(4 * 4 * 4, dims, bias=False)
+
+    def forward(self, x):
+        h = F.relu(self.conv2(F.relu(self.conv1(x))))
+        return self.fc(h.flatten(1))
+
+
+def model_and_pair(batch: int = 3):
+    model = Embedder().double().eval()
+    return model, torch.randn(batch, 2, 4, 4, dtype=torch.float64), torch.randn(batch, 2, 4, 4, dtype=torch.float64)
+
+
+def gradient_times_input_per_dimension(model, x):
+    """(D, B, *S): x * d phi_m / dx, which is LRP-0's R(phi_m) on a bias-free ReLU net (closed form)."""
+    jacobian = torch.autograd.functional.jacobian(lambda v: model(v).sum(0), x)  # (D, B, *S)
+    return jacobian * x
+
+
+def test_pair_relevance_sums_to_the_similarity_and_equals_a_double_loop_over_dimensions():
+    model, x, x2 = model_and_pair()
+    pairs = relprop.BiLRP(model, LRP0).attribute(x, x2)
+    assert pairs.shape == (3, 2, 4, 4, 2, 4, 4) and pairs.dtype == torch.float64
+    similarity = (model(x) * model(x2)).sum(1)
+    assert torch.allclose(pairs.flatten(1).sum(1), similarity, rtol=0, atol=1e-8)
+    left, right = gradient_times_input_per_dimension(model, x), gradient_times_input_per_dimension(model, x2)
+    expected = torch.zeros(3, 32, 32, dtype=torch.float64)
+    for b in range(3):
+        for m in range(left.shape[0]):
+            for i in range(32):
+                for j in range(32):
+                    expected[b, i, j] += left[m, b].flatten()[i] * right[m, b].flatten()[j]
+    assert torch.allclose(pairs.reshape(3, 32, 32), expected, rtol=0, atol=1e-10)
+
+
+def test_chunking_does_not_change_the_result():
+    model, x, x2 = model_and_pair()
+    whole = relprop.BiLRP(model, "epsilon-plus", max_batch=1000).attribute(x, x2)
+    for max_batch in (1, 4, 7):
+        chunked = relprop.BiLRP(model, "epsilon-plus", max_batch=max_batch).attribute(x, x2)
+        assert torch.allclose(chunked, whole, rtol=0, atol=1e-12), max_batch
+
+
+def test_pool_sums_patches_before_the_pairs():
+    model, x, x2 = model_and_pair(2)
+    bilrp = relprop.BiLRP(model, LRP0)
+
+    def patches(r):
+        return F.avg_pool2d(r.sum(1), 2) * 4  # (N, 2, 2): sum over channels and 2x2 patches
+
+    pooled = bilrp.attribute(x, x2, pool=patches)
+    assert pooled.shape == (2, 2, 2, 2, 2)
+    full = bilrp.attribute(x, x2).sum((1, 4))  # (B, 4, 4, 4, 4) after the channels
+    expected = full.reshape(2, 2, 2, 2, 2, 2, 2, 2, 2).sum((2, 4, 6, 8))
+    assert torch.allclose(pooled, expected, rtol=0, atol=1e-10)
+
+
+def test_first_order_is_the_marginal_of_the_pair_relevance():
+    model, x, x2 = model_and_pair()
+    bilrp = relprop.BiLRP(model, LRP0)
+    pairs = bilrp.attribute(x, x2).reshape(3, 32, 32)
+    left, right = bilrp.first_order(x, x2)
+    assert left.shape == x.shape and right.shape == x2.shape
+    assert torch.allclose(left.flatten(1), pairs.sum(2), rtol=0, atol=1e-10)
+    assert torch.allclose(right.flatten(1), pairs.sum(1), rtol=0, atol=1e-10)
+    assert torch.allclose(left.flatten(1).sum(1), bilrp.similarity(x, x2), rtol=0, atol=1e-8)
+
+
+def test_callable_embedding_finds_the_modules_it_runs():
+    torch.manual_seed(1)
+    model, x, x2 = model_and_pair()
+    head = nn.Linear(6, 5, bias=False).double().eval()
+    # ZPlus by module type: it only reaches the head if the wrapper gives the head's ops their module context
+    composite = Epsilon(0.0, layer_map={nn.Linear: relprop.rules.ZPlus()})
+    through_callable = relprop.BiLRP(lambda v: head(model(v)), composite).attribute(x, x2)
+    as_module = relprop.BiLRP(nn.Sequential(model, head).eval(), composite).attribute(x, x2)
+    assert torch.allclose(through_callable, as_module, rtol=0, atol=1e-12)
+    plain = relprop.BiLRP(nn.Sequential(model, head).eval(), LRP0).attribute(x, x2)
+    assert not torch.allclose(through_callable, plain, atol=1e-3)  # the layer_map rule did apply
+    # the modules are named as the callable names them: a name_map pattern 'head' finds the head
+    named = Epsilon(0.0, name_map={"head": relprop.rules.ZPlus()})
+    wrapped = nn.Module().eval()
+    wrapped.model, wrapped.head = model, head
+    wrapped.forward = lambda v: wrapped.head(wrapped.model(v))
+    expected = relprop.BiLRP(wrapped, named).attribute(x, x2)
+    assert torch.allclose(relprop.BiLRP(lambda v: head(model(v)), named).attribute(x, x2), expected, atol=1e-12)
+    assert not torch.allclose(expected, plain, atol=1e-3)
+
+
+def test_a_model_in_training_mode_is_explained_in_eval_mode_and_left_as_it_was():
+    model, x, x2 = model_and_pair()
+    dropped = nn.Sequential(model, nn.Dropout(0.5)).train()
+    with pytest.warns(UserWarning, match="training mode"):
+        pairs = relprop.BiLRP(lambda v: dropped(v), LRP0).attribute(x, x2)
+    assert all(module.training for module in dropped.modules())
+    assert torch.allclose(pairs.flatten(1).sum(1), (model(x) * model(x2)).sum(1), rtol=0, atol=1e-8)
+
+
+class TokenEmbedder(nn.Module):
+    """Token embedding, a bias-free ReLU MLP per token and a masked mean over tokens."""
+
+    def __init__(self, vocabulary: int = 20, hidden: int = 8, dims: int = 5):
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, hidden, bias=False), nn.ReLU(), nn.Linear(hidden, dims, bias=False))
+
+    def forward(self, ids, mask):
+        h = self.mlp(self.embedding(ids)) * mask.unsqueeze(-1)
+        return h.sum(1) / mask.sum(1, keepdim=True)
+
+
+def test_token_inputs_give_one_relevance_per_token_pair_and_conserve():
+    model = TokenEmbedder().double().eval()
+    ids, ids2 = torch.randint(0, 20, (2, 5)), torch.randint(0, 20, (2, 7))
+    mask, mask2 = torch.ones(2, 5, dtype=torch.float64), torch.ones(2, 7, dtype=torch.float64)
+    mask2[1, 5:] = 0  # the second pair's second sentence is padded
+    bilrp = relprop.BiLRP(model, LRP0, max_batch=4)
+    pairs = bilrp.attribute(ids, ids2, (mask,), {"mask": mask2})
+    assert pairs.shape == (2, 5, 7)
+    assert torch.allclose(pairs.sum((1, 2)), bilrp.similarity(ids, ids2, (mask,), (mask2,)), rtol=0, atol=1e-8)
+    assert pairs[1, :, 5:].abs().max() == 0  # padding gets nothing
+    alone = relprop.BiLRP(model, LRP0).attribute(ids[1:], ids2[1:, :5], (mask[1:],), (mask2[1:, :5],))
+    assert torch.allclose(pairs[1, :, :5], alone[0], rtol=0, atol=1e-10)
+
+
+def test_bad_input_is_refused_with_the_problem_named():
+    model, x, x2 = model_and_pair()
+    bilrp = relprop.BiLRP(model, LRP0)
+    with pytest.raises(ValueError, match="same size"):
+        bilrp.attribute(x, x2[:2])
+    with pytest.raises(ValueError, match="shape \\(batch, dimensions\\)"):
+        relprop.BiLRP(nn.Conv2d(2, 3, 1).double()).attribute(x, x2)
+    with pytest.raises(ValueError, match="batch first"):
+        ids = torch.zeros(3, 4, dtype=torch.long)
+        relprop.BiLRP(TokenEmbedder()).attribute(ids, ids, (torch.ones(4),), (torch.ones(3, 4),))
+    with pytest.raises(ValueError, match="max_batch"):
+        relprop.BiLRP(model, max_batch=0)
+    with pytest.raises(TypeError, match="ran no torch.nn.Module"):
+        relprop.BiLRP(lambda v: v.flatten(1)).attribute(x, x2)
+
+
+def test_pair_pictures_show_the_strongest_pairs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from relprop import pairplot
+
+    pairs = torch.zeros(3, 4, dtype=torch.float64)
+    pairs[1, 2], pairs[0, 3], pairs[2, 0] = 2.0, -3.0, 0.5
+    assert pairplot.strongest_pairs(pairs, 2) == [(0, 3, -3.0), (1, 2, 2.0)]
+    tokens, other = ["a", "<b>", "c"], ["w", "x", "y", "z"]
+    svg = pairplot.token_lines_html(tokens, other, pairs, top=2)
+    assert svg.count("<line") == 2 and "&lt;b&gt;" in svg and "<b>" not in svg
+    assert 'stroke="#1f5fd6" stroke-width="6.0"' in svg  # the strongest, negative pair: blue, widest
+    table = pairplot.token_matrix_html(tokens, other, pairs)
+    assert table.count("<td") == 12 and "rgb(0, 0, 255)" in table  # -max is full blue
+    for draw in (pairplot.token_matrix, pairplot.token_lines):
+        path = draw(tokens, other, pairs, tmp_path / f"{draw.__name__}.png")
+        width, height = Image.open(path).size
+        assert 100 < width < 2000 and 100 < height < 2000
+    with pytest.raises(ValueError, match="does not match 2 and 4 tokens"):
+        pairplot.token_matrix(tokens[:2], other, pairs, tmp_path / "bad.png")
+    grid = torch.zeros(2, 2, 2, 2)
+    grid[0, 1, 1, 0] = 1.0
+    path = pairplot.image_pair(torch.rand(1, 8, 8), torch.rand(8, 8), grid, tmp_path / "images.png", top=1)
+    assert Image.open(path).size[0] > 300
+
+
+def test_a_callable_that_runs_part_of_a_model_names_it_by_the_model():
+    model, x, x2 = model_and_pair()
+    named = Epsilon(0.0, name_map={"model.fc": relprop.rules.ZPlus()})
+
+    def features(v):
+        return model.fc(F.relu(model.conv2(F.relu(model.conv1(v)))).flatten(1))  # the modules, not the model
+
+    expected = relprop.BiLRP(model, Epsilon(0.0, name_map={"fc": relprop.rules.ZPlus()})).attribute(x, x2)
+    assert torch.allclose(relprop.BiLRP(features, named).attribute(x, x2), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(expected, relprop.BiLRP(model, LRP0).attribute(x, x2), atol=1e-3)  # ZPlus applied
