@@ -354,3 +354,41 @@ def test_fused_attention_with_a_constant_query_equals_eager():
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     expected, actual = (relprop.LRP(m, "attnlrp").attribute(x, target=0) for m in (eager, fused))
     torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-14)
+
+
+class _MaskFromActivations(nn.Module):
+    """SAM's attention: a relative-position term computed from the queries, passed as SDPA's float mask."""
+
+    def __init__(self, fused: bool):
+        super().__init__()
+        self.fused = fused
+        self.qkv, self.rel = nn.Linear(8, 24, bias=False), nn.Linear(8, 5, bias=False)
+        self.out = nn.Linear(8, 2, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        mask = self.rel(q)
+        if self.fused:
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            attended = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + mask, -1) @ v
+        return self.out(attended.sum(1))
+
+
+def test_an_attention_mask_made_from_activations_takes_its_share():
+    """Fused attention with a mask computed from q equals its eager form (it raised: 5 gradients expected)."""
+    eager, fused = _MaskFromActivations(False).double().eval(), _MaskFromActivations(True).double().eval()
+    fused.load_state_dict(eager.state_dict())
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    for preset in ("attnlrp", "cp-lrp"):
+        expected, actual = (relprop.LRP(m, preset).attribute(x, target=0) for m in (eager, fused))
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-14)
+
+
+def test_a_shifted_gate_is_a_gate():
+    """ConViT's gated positional attention ``(1 - sigmoid(g)) * a + sigmoid(g) * b``: the gate takes nothing."""
+    model = _Net(lambda m, h: (1 - torch.sigmoid(h.flip(1))) * h + torch.sigmoid(h.flip(1)) * h.roll(1, 1))
+    model = model.double().eval()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    relevance = relprop.LRP(model, LRP0).attribute(x, target=0)
+    torch.testing.assert_close(relevance.sum(1), model(x)[:, 0].detach(), rtol=1e-10, atol=0)

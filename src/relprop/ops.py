@@ -482,7 +482,7 @@ def _grid_sample(session: Session, func: Callable, args: tuple, kwargs: dict) ->
     if not is_activation(bound["input"]):
         return session.unknown(func, args, kwargs)
     bound["grid"] = _constant(bound["grid"])
-    return _resample(session, func, (), bound)
+    return _sum(session, func, (), bound)
 
 
 # ---------------------------------------------------------------- batch norm
@@ -527,10 +527,12 @@ def _linear(kind: str, linearised: Callable | None = None) -> Handler:
     return handle
 
 
-def _resample(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
-    """Average pooling and interpolation: sums, whose output keeps the tag of their one activation.
+def _sum(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Sums, means, average pooling, interpolation: linear, shared by contributions (kind ``"sum"``).
 
-    A resampled sigmoid is still a gate (GhostNetV3's ``x * interpolate(sigmoid(r))``).
+    With one activation, the output keeps its tag: a gate shifted, resampled
+    or summed is still a gate (``1 - sigmoid(g)`` in ConViT's gated attention,
+    GhostNetV3's ``x * interpolate(sigmoid(r))``).
     """
     call = OpCall("sum", func, args, kwargs, op_name(func), session.module_name)
     tag = session.tags.get(call.activations[0]) if len(call.inputs) == 1 else None
@@ -676,7 +678,8 @@ class AttentionCall(OpCall):
         super().__init__("attention", func, args, kwargs, op_name(func), module_name)
         bound = _bind_builtin(_SDPA, args, kwargs)
         self._parts = {key: _constant(bound.get(key)) for key in _SDPA}
-        self._roles = [key for key in ("query", "key", "value") if is_activation(bound.get(key))]
+        # a float mask computed from activations (SAM's decomposed relative positions) is a score term too
+        self._roles = [key for key in ("query", "key", "value", "attn_mask") if is_activation(bound.get(key))]
 
     def _needs_graph(self) -> bool:
         return False
@@ -698,15 +701,18 @@ class AttentionCall(OpCall):
         scaled = relevance * inverse_denominator(weights @ v_, epsilon)
         # each product splits its relevance over its activation factors: q or k alone (a decoder's query made
         # from constants, in cross-attention) takes all of q k^T's, and values next to constant weights all
-        scoring = [role for role in ("query", "key") if role in self._roles]
-        values_only = values_only or not scoring
+        factors = [role for role in ("query", "key") if role in self._roles]
+        values_only = values_only or not (factors or "attn_mask" in self._roles)
         found = {"value": (1.0 if values_only else 0.5) * v_ * (weights.transpose(-2, -1) @ scaled)}
         if not values_only:
             r_weights = 0.5 * weights * (scaled @ v_.transpose(-2, -1))
             # softmax rule, then the scale and the mask as constants: relevance per score over q k^T
-            taylor = scale * (r_weights - weights * r_weights.sum(-1, keepdim=True)) / len(scoring)
+            per_score = r_weights - weights * r_weights.sum(-1, keepdim=True)  # times a score: its relevance
+            taylor = scale * per_score / max(len(factors), 1)
             found["query"] = q * (taylor @ k_)
             found["key"] = k_ * (taylor.transpose(-2, -1) @ q)
+            if "attn_mask" in self._roles:  # the mask's own share of each score, as the sum `scores + mask` gives
+                found["attn_mask"] = (mask * per_score).sum_to_size(mask.shape)
         if groups > 1:
             for key in ("key", "value"):
                 if key in found:
@@ -861,10 +867,9 @@ _register(_addmm, [torch.addmm, _T.addmm])
 _register(_batch_norm, [F.batch_norm])
 
 _SUMS = "add sub rsub sum mean nansum cumsum __radd__ __rsub__"
-_sum = _linear("sum")
 # F.fold adds overlapping patches: a sum (its gradient would copy each pixel's relevance to every patch)
 _register(_sum, _lookup(torch, _SUMS), _lookup(_T, _SUMS), [F.fold])
-_register(_resample, _lookup(torch, "avg_pool1d"), _lookup(_nn, "avg_pool2d avg_pool3d"),
+_register(_sum, _lookup(torch, "avg_pool1d"), _lookup(_nn, "avg_pool2d avg_pool3d"),
           _lookup(F, "adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d interpolate upsample "
                      "upsample_bilinear upsample_nearest"))
 # sums into entries chosen by an index (a mixture of experts adding each expert's output to its tokens' rows)
