@@ -392,3 +392,11 @@ def test_a_shifted_gate_is_a_gate():
     x = torch.randn(2, 4, dtype=torch.float64)
     relevance = relprop.LRP(model, LRP0).attribute(x, target=0)
     torch.testing.assert_close(relevance.sum(1), model(x)[:, 0].detach(), rtol=1e-10, atol=0)
+
+
+def test_a_dense_layers_output_on_tokens_can_be_modified_in_place():
+    """F.linear on (batch, tokens, features) returns a view; NaFlexViT adds its position embedding into it in place."""
+    model = _Net(lambda m, h: m.lin2(h[:, None, :].expand(2, 3, 4)).add_(m.scale).sum(1)).double().eval()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    relevance = relprop.LRP(model, LRP0).attribute(x, target=0)
+    assert relative_error(relevance, _gradient_times_input(model, x)) < 1e-10

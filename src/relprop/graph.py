@@ -696,6 +696,11 @@ class _Propagate(torch.autograd.Function):
         out = call.run()
         if call.in_place:  # the op overwrote its input, as in the plain model: this node is its history now
             ctx.mark_dirty(activations[0])
+        elif out._is_view():
+            # a view made inside a custom Function can never be modified in place (F.linear on a 3-D input returns
+            # one: a matrix product viewed in the input's shape; timm's NaFlexViT adds its position embedding in
+            # place): a copy, bitwise the same
+            out = out.clone()
         return out
 
     @staticmethod
