@@ -59,7 +59,7 @@ def dequantized_weights(cell_params: Any) -> list[Tensor]:
 
 def _dense(activation: Callable[[Tensor], Tensor] | None = None) -> Callable:
     """``linear_dynamic(x, packed)`` (and ``linear_relu_dynamic``): the kernel's output, relevance through F.linear."""
-    def handle(session, func, args, kwargs):
+    def handle(session: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
         x, packed = args[0], args[1]
         with torch.no_grad():  # the kernel has no autograd formula: relevance takes the float path below
             native = func(*args, **kwargs)
@@ -74,7 +74,7 @@ def _dense(activation: Callable[[Tensor], Tensor] | None = None) -> Callable:
 
 def _recurrent(kind: str) -> Callable:
     """``torch.quantized_lstm`` / ``quantized_gru``: the kernel's outputs, relevance through the unrolled layer."""
-    def handle(session, func, args, kwargs):
+    def handle(session: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
         arguments = recurrent_arguments(args)
         params = [w.to(arguments["data"].dtype) for cell in arguments["params"] for w in dequantized_weights(cell)]
         with torch.no_grad():
@@ -85,7 +85,7 @@ def _recurrent(kind: str) -> Callable:
 
 def _cell(kind: str) -> Callable:
     """``quantized_lstm_cell_dynamic(x, hx, packed_ih, packed_hh, b_ih, b_hh)`` and the GRU / RNN cells."""
-    def handle(session, func, args, kwargs):
+    def handle(session: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
         x, hx, packed_ih, packed_hh, b_ih, b_hh = args[:6]
         with torch.no_grad():
             native = func(*args, **kwargs)
@@ -95,7 +95,7 @@ def _cell(kind: str) -> Callable:
     return handle
 
 
-def _refuse_static(session, func, args, kwargs):
+def _refuse_static(session: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Quantizing an activation: a statically quantized model, whose int8 activations carry no relevance."""
     raise NotImplementedError(
         f"relprop: module '{session.module_name or '<root>'}' quantizes an activation ({func.__name__}): statically "

@@ -35,8 +35,13 @@ from .graph import substitute
 
 __all__ = ["RECURRENT_HANDLERS", "recurrent_arguments", "explain_recurrent", "explain_cell"]
 
+#: the state of a layer-direction: ``(h, c)`` for an LSTM, ``h`` otherwise
+State = Any
+Handler = Callable[[Any, Callable, tuple, dict], Any]
 
-def _lstm_cell(x: Tensor, state: tuple[Tensor, Tensor], w_ih, w_hh, b_ih=None, b_hh=None):
+
+def _lstm_cell(x: Tensor, state: tuple[Tensor, Tensor], w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None = None,
+               b_hh: Tensor | None = None) -> tuple[Tensor, Tensor]:
     h, c = state
     gates = F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh)
     i, f, g, o = gates.chunk(4, -1)
@@ -44,7 +49,8 @@ def _lstm_cell(x: Tensor, state: tuple[Tensor, Tensor], w_ih, w_hh, b_ih=None, b
     return torch.sigmoid(o) * torch.tanh(c), c
 
 
-def _gru_cell(x: Tensor, h: Tensor, w_ih, w_hh, b_ih=None, b_hh=None):
+def _gru_cell(x: Tensor, h: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None = None,
+              b_hh: Tensor | None = None) -> Tensor:
     i_r, i_z, i_n = F.linear(x, w_ih, b_ih).chunk(3, -1)
     h_r, h_z, h_n = F.linear(h, w_hh, b_hh).chunk(3, -1)
     reset = torch.sigmoid(i_r + h_r)
@@ -53,16 +59,17 @@ def _gru_cell(x: Tensor, h: Tensor, w_ih, w_hh, b_ih=None, b_hh=None):
     return torch.sigmoid(-update) * candidate + torch.sigmoid(update) * h
 
 
-def _rnn_cell(activation: Callable[[Tensor], Tensor]):
-    def cell(x: Tensor, h: Tensor, w_ih, w_hh, b_ih=None, b_hh=None):
+def _rnn_cell(activation: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
+    def cell(x: Tensor, h: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None = None,
+             b_hh: Tensor | None = None) -> Tensor:
         return activation(F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh))
     return cell
 
 
-_CELLS = {"lstm": _lstm_cell, "gru": _gru_cell, "rnn_tanh": _rnn_cell(torch.tanh), "rnn_relu": _rnn_cell(torch.relu)}
+_CELLS: dict[str, Callable[..., Any]] = {"lstm": _lstm_cell, "gru": _gru_cell, "rnn_tanh": _rnn_cell(torch.tanh), "rnn_relu": _rnn_cell(torch.relu)}
 
 
-def _select(state, index, rows=None):
+def _select(state: State, index: int | None, rows: int | None = None) -> State:
     """The state of one layer-direction (and some batch rows), for LSTM (h, c) pairs and single states."""
     if isinstance(state, tuple):
         return tuple(_select(s, index, rows) for s in state)
@@ -70,31 +77,32 @@ def _select(state, index, rows=None):
     return part if rows is None else part[:rows]
 
 
-def _merge(new, old, rows):
+def _merge(new: State, old: State, rows: int) -> State:
     """Rows ``:rows`` from ``new``, the rest from ``old`` (sequences that are not running at this step)."""
     if isinstance(new, tuple):
         return tuple(_merge(n, o, rows) for n, o in zip(new, old))
     return new if rows == old.shape[0] else torch.cat([new, old[rows:]])
 
 
-def _hidden(state):
+def _hidden(state: State) -> Tensor:
     return state[0] if isinstance(state, tuple) else state
 
 
-def _direction(cell, steps: list[Tensor], state, weights, reverse: bool):
+def _direction(cell: Callable[..., Any], steps: list[Tensor], state: State, weights: Sequence[Tensor], reverse: bool
+               ) -> tuple[list[Tensor], State]:
     """One direction of one layer over the time steps (each ``(batch_t, features)``, batch_t non-increasing)."""
-    outputs = [None] * len(steps)
+    outputs: list[Tensor | None] = [None] * len(steps)
     order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
     for t in order:
         rows = steps[t].shape[0]
         new = cell(steps[t], _select(state, None, rows), *weights)
         state = _merge(new, state, rows)
         outputs[t] = _hidden(new)
-    return outputs, state
+    return [o for o in outputs if o is not None], state
 
 
-def _unrolled(kind: str, steps: list[Tensor], hx, params: Sequence[Tensor], has_biases: bool, num_layers: int,
-              bidirectional: bool):
+def _unrolled(kind: str, steps: list[Tensor], hx: State, params: Sequence[Tensor], has_biases: bool, num_layers: int,
+              bidirectional: bool) -> tuple[list[Tensor], State]:
     """The recurrent layer over ``steps`` (a list of per-time-step inputs); outputs per step and final states."""
     cell = _CELLS[kind]
     directions = 2 if bidirectional else 1
@@ -169,9 +177,9 @@ def explain_cell(session: Any, kind: str, native: Any, x: Tensor, hx: Any, weigh
     return substitute(native, decomposed)
 
 
-def _recurrent(kind: str):
+def _recurrent(kind: str) -> Handler:
     """``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``, padded or packed: unrolled for relevance."""
-    def handle(session, func, args, kwargs):
+    def handle(session: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
         arguments = recurrent_arguments(args)
         expected = (4 if arguments["has_biases"] else 2) * arguments["num_layers"] * (
             2 if arguments["bidirectional"] else 1)
@@ -182,9 +190,9 @@ def _recurrent(kind: str):
     return handle
 
 
-def _cell(kind: str):
+def _cell(kind: str) -> Handler:
     """``torch.lstm_cell`` / ``gru_cell`` / ``rnn_tanh_cell`` / ``rnn_relu_cell``."""
-    def handle(session, func, args, kwargs):
+    def handle(session: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
         x, hx, *weights = args
         return explain_cell(session, kind, func(*args, **kwargs), x, hx, weights)
     return handle
