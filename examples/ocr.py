@@ -117,11 +117,12 @@ def explain_characters(model: nn.Module, x: Tensor, characters: list[Character],
     return lrp.attribute(batch, target=targets, additional_forward_args=(None,))[:, 0]
 
 
-def read_and_explain(reader: Any, grey: np.ndarray) -> tuple[Tensor, str, list[Character], Tensor]:
+def read_and_explain(reader: Any, grey: np.ndarray, composite: relprop.Composite | None = None
+                     ) -> tuple[Tensor, str, list[Character], Tensor]:
     """The recognizer's input, the decoded text, its characters and their relevance for a grey word image."""
     x = word_tensor(grey)
     characters = decode(recognizer_logits(reader.recognizer, x)[0], reader.converter.character)
-    relevance = explain_characters(reader.recognizer, x, characters)
+    relevance = explain_characters(reader.recognizer, x, characters, composite)
     return x, "".join(c.text for c in characters), characters, relevance
 
 
@@ -210,13 +211,14 @@ def plot_region(page_rgb: np.ndarray, box: tuple[int, int, int, int], relevance:
 
     height, width = page_rgb.shape[:2]
     heat = relevance[:height, :width].numpy()
-    peak = float(np.abs(heat).max()) or 1.0
+    peak = float(np.percentile(np.abs(heat), 99.5)) or 1.0  # a few stroke pixels hold most: clip them to show the rest
     figure, axis = plt.subplots(figsize=(width / 60, height / 60 + 0.4))
     axis.imshow(page_rgb.mean(2), cmap="gray")
     axis.imshow(heat, cmap="bwr", vmin=-peak, vmax=peak, alpha=0.7)
     x0, x1, y0, y1 = box
     axis.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, edgecolor="lime", lw=1.2))
-    axis.set_title("CRAFT region score over the green box: relevance of each pixel", fontsize=9)
+    axis.set_title("CRAFT region score over the green box: relevance of each pixel (colours clipped at the 99.5th "
+                   "percentile)", fontsize=9)
     axis.set_axis_off()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -225,7 +227,7 @@ def plot_region(page_rgb: np.ndarray, box: tuple[int, int, int, int], relevance:
 
 # ---------------------------------------------------------------- faithfulness: masking the most relevant pixels
 
-#: 60 words for the faithfulness measurement
+#: 59 words for the faithfulness measurement
 WORDS = ("relevance propagation layer network model pixel character reading light window garden river mountain "
          "yellow number quick brown jumps over lazy dog market silver forest winter summer bridge planet orange "
          "coffee letter mirror shadow castle dragon engine flower guitar hammer island jacket kettle lemon magnet "
@@ -318,13 +320,16 @@ def masking_scores(model: nn.Module, x: Tensor, characters: list[Character], rel
 
 
 def faithfulness(reader: Any, words: list[tuple[str, np.ndarray]], methods: tuple[str, ...] = METHODS,
-                 seed: int = 0) -> dict[str, tuple[Tensor, Tensor]]:
-    """Per method: each decoded character's logit drop and whether it flipped, over every word of ``words``."""
+                 composite: relprop.Composite | None = None, seed: int = 0) -> dict[str, tuple[Tensor, Tensor]]:
+    """Per method: each decoded character's logit drop and whether it flipped, over every word of ``words``.
+
+    LRP uses ``composite`` (default :func:`recognizer_composite`).
+    """
     generator = torch.Generator().manual_seed(seed)
     drops: dict[str, list[Tensor]] = {method: [] for method in methods}
     flips: dict[str, list[Tensor]] = {method: [] for method in methods}
     for _, grey in words:
-        x, _, characters, relevance = read_and_explain(reader, grey)
+        x, _, characters, relevance = read_and_explain(reader, grey, composite)
         if not characters:
             continue
         scores = masking_scores(reader.recognizer, x, characters, relevance, generator, methods)
@@ -351,6 +356,18 @@ def print_faithfulness() -> None:
         print(f"({len(words)} words, {len(lrp_drop)} characters)")
 
 
+def print_rule_comparison() -> None:
+    """Mean logit drop and flipped share for LRP with other composites on the CNN (float recognizer, same words)."""
+    reader = load_reader(quantize=False, detector=True)
+    words = rendered_words() + page_words(reader)
+    print("| composite | mean logit drop | characters flipped |\n| --- | --- | --- |")
+    for name, composite in [("epsilon-gamma-box (ZBox [-1, 1], Gamma 0.25)", recognizer_composite()),
+                            ("epsilon-plus-flat", relprop.composites.EpsilonPlusFlat()),
+                            ("epsilon (1e-6 everywhere)", relprop.composites.Epsilon())]:
+        drop, flipped = faithfulness(reader, words, ("LRP",), composite)["LRP"]
+        print(f"| {name} | {drop.mean().item():.2f} | {flipped.float().mean().item():.1%} |")
+
+
 def _grey(path: str) -> np.ndarray:
     return np.asarray(Image.open(path).convert("L"))
 
@@ -361,10 +378,15 @@ def main() -> None:
     parser.add_argument("--page", action="store_true", help="use skimage.data.text() and the detector")
     parser.add_argument("--faithfulness", action="store_true",
                         help="print the masking table over the rendered words and the words of skimage.data.text()")
+    parser.add_argument("--compare-rules", action="store_true",
+                        help="print the masking scores of LRP with other composites on the CNN")
     parser.add_argument("--out", default="out/ocr")
     args = parser.parse_args()
     if args.faithfulness:
         print_faithfulness()
+        return
+    if args.compare_rules:
+        print_rule_comparison()
         return
     if (args.image is None) == (not args.page):
         parser.error("give an IMAGE, --page or --faithfulness")
