@@ -8,9 +8,10 @@ and linear layers to int8; relprop explains them through their dequantized weigh
 For each character of the greedy CTC decoding (repeats merged, blanks dropped), the logit of its class in its
 best column is explained: one heatmap per character over the word image.
 
-Run: ``python examples/ocr.py IMAGE --out out/ocr`` (an image of a word or a line of text), or
+Run: ``python examples/ocr.py IMAGE --out out/ocr`` (an image of a word or a line of text),
+``python examples/ocr.py --word Relevance --out out/ocr`` (the word rendered in DejaVu Serif, 48 px), or
 ``python examples/ocr.py --page --out out/ocr`` for ``skimage.data.text()``: the detector's region score over
-the first detected word box, and the characters of that word.
+the largest detected word box, and the characters of that word.
 """
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ import relprop.methods
 MODEL_HEIGHT = 64
 
 
-def recognizer_composite() -> relprop.Composite:
-    """ZBox on the first convolution (pixels lie in [-1, 1]), Gamma(0.25) on the others, Epsilon on the rest.
+def ocr_composite() -> relprop.Composite:
+    """EpsilonPlusFlat: Flat on the first convolution, ZPlus on the others, Epsilon on the dense and LSTM layers.
 
-    The rest: the LSTMs' linear maps and the output layer get Epsilon, the LSTM gates the signal-takes-all rule.
+    Of the presets compared by masking (``--compare-rules``), it lowers the characters' logits most. The LSTM
+    gates get the signal-takes-all rule in every preset.
     """
-    return relprop.composites.EpsilonGammaBox(low=-1.0, high=1.0)
+    return relprop.composites.EpsilonPlusFlat()
 
 
 def load_reader(quantize: bool = True, detector: bool = False) -> Any:
@@ -75,11 +77,11 @@ def word_tensor(grey: np.ndarray) -> Tensor:
 
 
 class Character(NamedTuple):
-    """One decoded character: its text, the output column explained, its class index."""
+    """One decoded character: its text, the output column explained, its class (index into the 97 symbols)."""
 
     text: str
     column: int
-    index: int
+    label: int
 
 
 def recognizer_logits(model: nn.Module, x: Tensor) -> Tensor:
@@ -112,8 +114,8 @@ def explain_characters(model: nn.Module, x: Tensor, characters: list[Character],
     if not characters:
         return x.new_zeros((0, *x.shape[2:]))
     batch = x.expand(len(characters), *x.shape[1:])
-    targets = [(c.column, c.index) for c in characters]
-    lrp = relprop.LRP(model, composite or recognizer_composite(), strict=True)
+    targets = [(c.column, c.label) for c in characters]
+    lrp = relprop.LRP(model, composite or ocr_composite(), strict=True)
     return lrp.attribute(batch, target=targets, additional_forward_args=(None,))[:, 0]
 
 
@@ -135,21 +137,12 @@ def detector_input(page_rgb: np.ndarray) -> Tensor:
     return torch.from_numpy(normalizeMeanVariance(resized).transpose(2, 0, 1).copy())[None].float()
 
 
-def detector_composite() -> relprop.Composite:
-    """The recognizer's choice on CRAFT: ZBox on the first convolution over the normalised pixel range."""
-    from easyocr.imgproc import normalizeMeanVariance
-
-    low = torch.from_numpy(normalizeMeanVariance(np.zeros((1, 1, 3), np.uint8))).float().reshape(1, 3, 1, 1)
-    high = torch.from_numpy(normalizeMeanVariance(np.full((1, 1, 3), 255, np.uint8))).float().reshape(1, 3, 1, 1)
-    return relprop.composites.EpsilonGammaBox(low=low, high=high)
-
-
 def explain_region(detector: nn.Module, x: Tensor, box: tuple[int, int, int, int]) -> tuple[Tensor, Tensor]:
     """Relevance (H, W) of the page pixels for CRAFT's region score summed over ``box`` (x0, x1, y0, y1 in pixels).
 
     CRAFT's score maps have half the input's resolution; the box is halved to match.
     """
-    lrp = relprop.LRP(detector, detector_composite(), strict=True)
+    lrp = relprop.LRP(detector, ocr_composite(), strict=True)
     explained = lrp.forward(x)
     scores = explained.logits.detach()  # (1, H/2, W/2, 2): region score, affinity score
     x0, x1, y0, y1 = (v // 2 for v in box)
@@ -186,8 +179,8 @@ def plot_characters(x: Tensor, text: str, characters: list[Character], relevance
         peak = float(heat.abs().max()) or 1.0
         axis.imshow(x[0, 0].numpy(), cmap="gray", vmin=-1, vmax=1)
         axis.imshow(heat.numpy(), cmap="bwr", vmin=-peak, vmax=peak, alpha=0.75)
-        axis.axvline(_column_centre(character.column), color="k", lw=0.5, ls=":")
-        axis.set_title(f"{character.text!r} (column {character.column}, logit relevance {float(heat.sum()):.2f})",
+        axis.axvline(column_centre(character.column), color="k", lw=0.5, ls=":")
+        axis.set_title(f"{character.text!r} (column {character.column}, relevance total {float(heat.sum()):.2f})",
                        loc="left", fontsize=9)
     for axis in axes[:, 0]:
         axis.set_xticks([])
@@ -197,7 +190,7 @@ def plot_characters(x: Tensor, text: str, characters: list[Character], relevance
     plt.close(figure)
 
 
-def _column_centre(column: int) -> float:
+def column_centre(column: int) -> float:
     """The pixel x of an output column's centre: the CNN halves the width twice, then a 2x2 valid convolution."""
     return 4.0 * column + 4.0
 
@@ -242,7 +235,7 @@ MASKED_SHARE = 0.03
 
 
 def font_paths() -> list[str]:
-    """The faces of :data:`FONT_FILES` found on this machine (``fc-list``), else the copies matplotlib ships."""
+    """The files of :data:`FONT_FILES`, in order: this machine's (``fc-list``), else the copies matplotlib ships."""
     import shutil
     import subprocess
 
@@ -254,7 +247,10 @@ def font_paths() -> list[str]:
         system = {Path(line).name: line for line in listing.splitlines()}
     bundled = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
     found = [system.get(name) or str(bundled / name) for name in FONT_FILES]
-    return [path for path in found if Path(path).is_file()]
+    missing = [path for path in found if not Path(path).is_file()]
+    if missing:
+        raise FileNotFoundError(f"font files not found: {', '.join(missing)}")
+    return found
 
 
 def render_word(word: str, font_path: str, size: int) -> np.ndarray:
@@ -264,7 +260,7 @@ def render_word(word: str, font_path: str, size: int) -> np.ndarray:
     font = ImageFont.truetype(font_path, size)
     left, top, right, bottom = font.getbbox(word)
     margin = size // 4
-    image = Image.new("L", (right - left + 2 * margin, bottom - top + 2 * margin), 255)
+    image = Image.new("L", (math.ceil(right - left) + 2 * margin, math.ceil(bottom - top) + 2 * margin), 255)
     ImageDraw.Draw(image).text((margin - left, margin - top), word, font=font, fill=0)
     return np.asarray(image)
 
@@ -297,7 +293,7 @@ def masking_scores(model: nn.Module, x: Tensor, characters: list[Character], rel
     The :data:`MASKED_SHARE` of the pixels ranked first (highest relevance; largest absolute gradient; largest
     predicted first-order drop; random) are set to the background (the image's median).
     """
-    targets = [(c.column, c.index) for c in characters]
+    targets = [(c.column, c.label) for c in characters]
     batch = x.expand(len(characters), *x.shape[1:])
     background = x.median()
     scores = {"LRP": relevance, "random": torch.rand(relevance.shape, generator=generator)}
@@ -323,7 +319,7 @@ def faithfulness(reader: Any, words: list[tuple[str, np.ndarray]], methods: tupl
                  composite: relprop.Composite | None = None, seed: int = 0) -> dict[str, tuple[Tensor, Tensor]]:
     """Per method: each decoded character's logit drop and whether it flipped, over every word of ``words``.
 
-    LRP uses ``composite`` (default :func:`recognizer_composite`).
+    LRP uses ``composite`` (default :func:`ocr_composite`).
     """
     generator = torch.Generator().manual_seed(seed)
     drops: dict[str, list[Tensor]] = {method: [] for method in methods}
@@ -361,7 +357,8 @@ def print_rule_comparison() -> None:
     reader = load_reader(quantize=False, detector=True)
     words = rendered_words() + page_words(reader)
     print("| composite | mean logit drop | characters flipped |\n| --- | --- | --- |")
-    for name, composite in [("epsilon-gamma-box (ZBox [-1, 1], Gamma 0.25)", recognizer_composite()),
+    for name, composite in [("epsilon-gamma-box (ZBox [-1, 1], Gamma 0.25)",
+                             relprop.composites.EpsilonGammaBox(low=-1.0, high=1.0)),
                             ("epsilon-plus-flat", relprop.composites.EpsilonPlusFlat()),
                             ("epsilon (1e-6 everywhere)", relprop.composites.Epsilon())]:
         drop, flipped = faithfulness(reader, words, ("LRP",), composite)["LRP"]
@@ -375,6 +372,7 @@ def _grey(path: str) -> np.ndarray:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("image", nargs="?", help="an image of one word or line of text")
+    parser.add_argument("--word", help="render this word (DejaVu Serif, 48 px) and read it")
     parser.add_argument("--page", action="store_true", help="use skimage.data.text() and the detector")
     parser.add_argument("--faithfulness", action="store_true",
                         help="print the masking table over the rendered words and the words of skimage.data.text()")
@@ -388,8 +386,8 @@ def main() -> None:
     if args.compare_rules:
         print_rule_comparison()
         return
-    if (args.image is None) == (not args.page):
-        parser.error("give an IMAGE, --page or --faithfulness")
+    if sum((args.image is not None, args.word is not None, args.page)) != 1:
+        parser.error("give one of IMAGE, --word, --page, --faithfulness, --compare-rules")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -399,11 +397,16 @@ def main() -> None:
 
         grey_page = data.text()
         page = np.repeat(grey_page[..., None], 3, axis=2)
-        box = word_boxes(reader, page)[0]
+        boxes = word_boxes(reader, page)
+        if not boxes:
+            raise SystemExit("the detector found no word on skimage.data.text()")
+        box = boxes[0]
         region, _ = explain_region(reader.detector, detector_input(page), box)
         plot_region(page, box, region, out / "ocr_detector.png")
         print(f"wrote {out / 'ocr_detector.png'} (word box x {box[0]}-{box[1]}, y {box[2]}-{box[3]})")
         grey = grey_page[box[2]:box[3], box[0]:box[1]]
+    elif args.word is not None:
+        grey = render_word(args.word, font_paths()[FONT_FILES.index("DejaVuSerif.ttf")], 48)
     else:
         grey = _grey(args.image)
     x, text, characters, relevance = read_and_explain(reader, grey)

@@ -88,10 +88,10 @@ def test_reads_the_word_and_each_heatmap_sits_on_its_character(reader, word):
 def test_int8_recognizer_output_is_easyocrs_and_relevance_is_accounted_for(reader, word):
     model, x = reader.recognizer, example.word_tensor(word)
     characters = example.decode(example.recognizer_logits(model, x)[0], reader.converter.character)
-    target = (characters[0].column, characters[0].index)
-    forward = relprop.LRP(model, example.recognizer_composite()).forward(x, additional_forward_args=(None,))
+    target = (characters[0].column, characters[0].label)
+    forward = relprop.LRP(model, example.ocr_composite()).forward(x, additional_forward_args=(None,))
     assert torch.equal(forward.logits.detach(), example.recognizer_logits(model, x))  # the int8 kernels' output
-    report = relprop.audit(model, x, target, example.recognizer_composite(), additional_forward_args=(None,))
+    report = relprop.audit(model, x, target, example.ocr_composite(), additional_forward_args=(None,))
     assert not report.unhandled
     assert report.seed_total == pytest.approx(float(example.recognizer_logits(model, x)[0][target]))
     assert report.seed_total - report.input_total == pytest.approx(report.absorbed_total, rel=1e-3, abs=1e-3)
@@ -142,7 +142,7 @@ def test_detector_region_relevance_is_accounted_for_and_leaves_craft_untouched(r
     assert seed.sum() > 0 and (seed[..., 1] == 0).all()  # the region score in the box only
     inside = relevance[box[2]:box[3], box[0]:box[1]].clamp(min=0).sum()
     assert inside > 0.5 * relevance.clamp(min=0).sum()
-    report = relprop.audit(detector, x, seed, example.detector_composite())
+    report = relprop.audit(detector, x, seed, example.ocr_composite())
     assert not report.unhandled
     assert report.seed_total - report.input_total == pytest.approx(report.absorbed_total, rel=1e-3, abs=1e-3)
     assert report.input_total == pytest.approx(float(relevance.sum()), rel=1e-4)

@@ -21,7 +21,7 @@ def quantize(model: nn.Module, dtype: torch.dtype = torch.qint8) -> nn.Module:
 
 
 def relevance(model: nn.Module, x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    return relprop.LRP(model, EXACT, strict=True).attribute(x, target=seed)
+    return relprop.LRP(model.eval(), EXACT, strict=True).attribute(x, target=seed)
 
 
 def float_twin(quantized_rnn: nn.Module, kind: type) -> nn.Module:
@@ -122,4 +122,4 @@ def test_static_quantization_is_refused_with_the_module_path():
             return self.fc(q.dequantize())
 
     with pytest.raises(NotImplementedError, match="statically quantized models are not supported"):
-        relprop.LRP(Static()).attribute(torch.randn(2, 4), target=0)
+        relprop.LRP(Static().eval()).attribute(torch.randn(2, 4), target=0)

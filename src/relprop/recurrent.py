@@ -66,7 +66,8 @@ def _rnn_cell(activation: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
     return cell
 
 
-_CELLS: dict[str, Callable[..., Any]] = {"lstm": _lstm_cell, "gru": _gru_cell, "rnn_tanh": _rnn_cell(torch.tanh), "rnn_relu": _rnn_cell(torch.relu)}
+_CELLS: dict[str, Callable[..., Any]] = {"lstm": _lstm_cell, "gru": _gru_cell, "rnn_tanh": _rnn_cell(torch.tanh),
+                                         "rnn_relu": _rnn_cell(torch.relu)}
 
 
 def _select(state: State, index: int | None, rows: int | None = None) -> State:
