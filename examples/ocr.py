@@ -307,7 +307,9 @@ def masking_scores(model: nn.Module, x: Tensor, characters: list[Character], rel
         flat = scores[method].flatten(1)
         keep = torch.ones_like(flat, dtype=torch.bool).scatter_(1, flat.topk(count, 1).indices, False)
         masked.append(torch.where(keep.view_as(relevance), batch[:, 0], background))
-    logits = recognizer_logits(model, torch.cat(masked)[:, None]).unflatten(0, (len(methods), len(characters)))
+    # one image per forward pass: int8 kernels quantize each layer's input with one scale for the whole batch
+    images = torch.cat(masked)[:, None, None]
+    logits = torch.cat([recognizer_logits(model, image) for image in images]).unflatten(0, (len(methods), -1))
     before = recognizer_logits(model, x)[0]
     columns, classes = torch.tensor([t[0] for t in targets]), torch.tensor([t[1] for t in targets])
     rows = torch.arange(len(characters))

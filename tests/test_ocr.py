@@ -107,7 +107,7 @@ def test_int8_relevance_is_close_to_the_float_recognizers(reader, float_reader, 
     int8 = example.explain_characters(reader.recognizer, x, characters)
     full = example.explain_characters(float_reader.recognizer, x, characters)
     # the int8 kernels also round each layer's input to 8 bits, which moves the later layers' ratios: the maps agree
-    # closely for most characters (measured: cosine 0.92-0.99), less for the first "r" (0.49), never by chance (~0)
+    # closely for most characters (measured: cosine 0.91-0.99), less for the first "r" (0.57), never by chance (~0)
     cosine = torch.nn.functional.cosine_similarity(int8.flatten(1), full.flatten(1))
     assert cosine.median() > 0.95 and cosine.min() > 0.3, cosine
 
