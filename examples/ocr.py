@@ -339,7 +339,8 @@ def faithfulness(reader: Any, words: list[tuple[str, np.ndarray]], methods: tupl
 
 def print_faithfulness() -> None:
     """The masking table (markdown) for the float recognizer and for easyocr's int8 one."""
-    print("| recognizer | pixels masked by | mean logit drop | characters flipped | LRP's drop larger |\n"
+    print("| recognizer | pixels masked by | mean logit drop | characters flipped | characters where LRP's drop is "
+          "larger |\n"
           "| --- | --- | --- | --- | --- |")
     for quantize in (False, True):
         reader = load_reader(quantize=quantize, detector=True)

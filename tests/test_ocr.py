@@ -165,4 +165,4 @@ def test_masking_the_most_relevant_pixels_hurts_each_character_most(float_reader
     for method in ("Gradient", "random"):
         drop, flip = results[method]
         assert lrp_drop.mean() > drop.mean() + 2.0 and lrp_flip.float().mean() > flip.float().mean() + 0.08, method
-        assert (lrp_drop > drop).float().mean() > 0.65, method  # character by character (measured: 73%, 83%)
+        assert (lrp_drop > drop).float().mean() > 0.65, method  # character by character (measured: 75%, 84%)
