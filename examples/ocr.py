@@ -186,8 +186,20 @@ def plot_characters(x: Tensor, text: str, characters: list[Character], relevance
         axis.set_xticks([])
         axis.set_yticks([])
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    _save(figure, path)
+
+
+def _save(figure: Any, path: Path) -> None:
+    """Write the figure beside ``path`` and move it into place, so that no half-written file is left."""
+    import matplotlib.pyplot as plt
+
+    partial = path.with_name(path.name + ".partial")
+    try:
+        figure.savefig(partial, dpi=110, format="png")
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+        plt.close(figure)
 
 
 def column_centre(column: int) -> float:
@@ -214,8 +226,7 @@ def plot_region(page_rgb: np.ndarray, box: tuple[int, int, int, int], relevance:
                    "percentile)", fontsize=9)
     axis.set_axis_off()
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    _save(figure, path)
 
 
 # ---------------------------------------------------------------- faithfulness: masking the most relevant pixels
@@ -368,6 +379,22 @@ def print_rule_comparison() -> None:
         print(f"| {name} | {drop.mean().item():.2f} | {flipped.float().mean().item():.1%} |")
 
 
+def explain_page(reader: Any, out: Path) -> np.ndarray:
+    """CRAFT's region-score relevance over the largest word box of ``skimage.data.text()``; the box's grey crop."""
+    from skimage import data
+
+    grey_page = data.text()
+    page = np.repeat(grey_page[..., None], 3, axis=2)
+    boxes = word_boxes(reader, page)
+    if not boxes:
+        raise SystemExit("the detector found no word on skimage.data.text()")
+    box = boxes[0]
+    region, _ = explain_region(reader.detector, detector_input(page), box)
+    plot_region(page, box, region, out / "ocr_detector.png")
+    print(f"wrote {out / 'ocr_detector.png'} (word box x {box[0]}-{box[1]}, y {box[2]}-{box[3]})")
+    return grey_page[box[2]:box[3], box[0]:box[1]]
+
+
 def _grey(path: str) -> np.ndarray:
     return np.asarray(Image.open(path).convert("L"))
 
@@ -391,27 +418,19 @@ def main() -> None:
         return
     if sum((args.image is not None, args.word is not None, args.page)) != 1:
         parser.error("give one of IMAGE, --word, --page, --faithfulness, --compare-rules")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    reader = load_reader(detector=args.page)
-    if args.page:
-        from skimage import data
-
-        grey_page = data.text()
-        page = np.repeat(grey_page[..., None], 3, axis=2)
-        boxes = word_boxes(reader, page)
-        if not boxes:
-            raise SystemExit("the detector found no word on skimage.data.text()")
-        box = boxes[0]
-        region, _ = explain_region(reader.detector, detector_input(page), box)
-        plot_region(page, box, region, out / "ocr_detector.png")
-        print(f"wrote {out / 'ocr_detector.png'} (word box x {box[0]}-{box[1]}, y {box[2]}-{box[3]})")
-        grey = grey_page[box[2]:box[3], box[0]:box[1]]
+    if args.image is not None:
+        try:
+            grey = _grey(args.image)
+        except OSError as error:  # missing, unreadable or not an image
+            parser.error(f"cannot read the image {args.image!r}: {error}")
     elif args.word is not None:
         grey = render_word(args.word, font_paths()[FONT_FILES.index("DejaVuSerif.ttf")], 48)
-    else:
-        grey = _grey(args.image)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    reader = load_reader(detector=args.page)
+    if args.page:
+        grey = explain_page(reader, out)
     x, text, characters, relevance = read_and_explain(reader, grey)
     plot_characters(x, text, characters, relevance, out / "ocr_characters.png")
     print(f"read {text!r}; wrote {out / 'ocr_characters.png'} ({time.perf_counter() - start:.1f} s)")

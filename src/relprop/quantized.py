@@ -44,10 +44,19 @@ def _unpack(packed: Any) -> tuple[Tensor, Tensor | None]:
 
 
 def dequantized_weights(cell_params: Any) -> list[Tensor]:
-    """``[w_ih, w_hh, b_ih, b_hh]`` of one layer-direction of a dynamic-quantized RNN, as float tensors.
+    """The float weights of one layer-direction of a dynamic-quantized RNN.
 
-    ``cell_params`` is one entry of ``module._all_weight_values[i].param``
-    (what ``torch.quantized_lstm`` receives).
+    Parameters
+    ----------
+    cell_params : torch.ScriptObject
+        One packed layer-direction, ``module._all_weight_values[i].param``
+        (what ``torch.quantized_lstm`` receives).
+
+    Returns
+    -------
+    list of Tensor
+        ``[w_ih, w_hh, b_ih, b_hh]`` (without the biases if the layer has
+        none): int8 weights dequantized, float16 ones as float32.
     """
     state = cell_params.__getstate__()[0]
     if state[0] not in ("quantized_dynamic", "quantized_fp16"):
