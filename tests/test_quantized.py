@@ -123,3 +123,22 @@ def test_static_quantization_is_refused_with_the_module_path():
 
     with pytest.raises(NotImplementedError, match="statically quantized models are not supported"):
         relprop.LRP(Static().eval()).attribute(torch.randn(2, 4), target=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.float16])
+def test_fused_linear_relu_is_the_epsilon_rule_on_the_dequantized_weights(dtype):
+    torch.manual_seed(4)
+    fused = torch.ao.quantization.fuse_modules(nn.Sequential(nn.Linear(4, 3), nn.ReLU()).eval(), [["0", "1"]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = torch.ao.quantization.quantize_dynamic(fused, {torch.ao.nn.intrinsic.LinearReLU}, dtype=dtype).eval()
+    assert isinstance(model[0], torch.ao.nn.intrinsic.quantized.dynamic.LinearReLU)
+    x, seed = torch.randn(2, 4), torch.randn(2, 3)
+    weight, bias = model[0].weight(), model[0].bias()
+    weight = weight.dequantize() if weight.is_quantized else weight
+    z = x @ weight.T + bias
+    expected = x * ((seed / z) @ weight)  # the ReLU passes relevance on (Pass), also where it output 0
+    assert torch.allclose(relevance(model, x, seed), expected, rtol=1e-4, atol=1e-5)
+    with relprop.LRP(model, EXACT).context():
+        out = model(x.clone().requires_grad_())
+    assert torch.equal(out.detach(), model(x))
