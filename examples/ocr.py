@@ -11,7 +11,8 @@ best column is explained: one heatmap per character over the word image.
 Run: ``python examples/ocr.py IMAGE --out out/ocr`` (an image of a word or a line of text),
 ``python examples/ocr.py --word Relevance --out out/ocr`` (the word rendered in DejaVu Serif, 48 px), or
 ``python examples/ocr.py --page --out out/ocr`` for ``skimage.data.text()``: the detector's region score over
-the largest detected word box, and the characters of that word.
+the largest detected word box, and the characters of that word. ``--faithfulness`` prints the masking table
+(LRP against the gradient and random pixels), ``--compare-rules`` the same for LRP with other presets.
 """
 from __future__ import annotations
 
