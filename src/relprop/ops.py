@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .graph import InPlaceSumCall, OpCall, ParametricCall, is_activation, substitute, write_into
+from .quantized import QUANTIZED_HANDLERS
 from .recurrent import RECURRENT_HANDLERS
 from .rules import Gradient, Pass, inverse_denominator
 
@@ -935,6 +936,7 @@ _register(_multi_head_attention, [F.multi_head_attention_forward])
 _register(_embedding, [F.embedding])
 for _func, _handler in RECURRENT_HANDLERS.items():
     HANDLERS[_func] = _handler
+HANDLERS.update(QUANTIZED_HANDLERS)
 #: in-place ops that leave every nonzero entry as it was (see ``_protect_before``)
 _KEEPS_NONZERO = frozenset(_lookup(F, "relu relu_") + _lookup(torch, "relu_") + _lookup(_T, "relu_"))
 #: ReLUs, in place or not: their outputs are >= 0
