@@ -400,3 +400,24 @@ def test_a_dense_layers_output_on_tokens_can_be_modified_in_place():
     x = torch.randn(2, 4, dtype=torch.float64)
     relevance = relprop.LRP(model, LRP0).attribute(x, target=0)
     assert relative_error(relevance, _gradient_times_input(model, x)) < 1e-10
+
+
+def test_an_op_without_a_gradient_is_reported_where_relevance_stops(monkeypatch):
+    """An op without a rule and without an autograd kernel: the warning says the relevance stops (it was all 0)."""
+    from torch.ao.nn.quantized.dynamic import Linear as QuantizedLinear
+
+    op = torch.ops.quantized.linear_dynamic.default
+    monkeypatch.delitem(relprop.ops.HANDLERS, op)  # as for a custom kernel relprop has no rule for
+
+    class Bare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = QuantizedLinear(4, 3)
+
+        def forward(self, x):
+            return op(x, self.q._packed_params._packed_params)
+
+    x = torch.randn(2, 4)
+    with pytest.warns(relprop.UnhandledOpWarning, match="has no gradient either, so the relevance stops there"):
+        relevance = relprop.LRP(Bare().eval()).attribute(x, target=0)
+    assert not relevance.any()

@@ -88,8 +88,10 @@ class _Unhandled(rules.Gradient):
         self._session = session
 
     def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
-        self._session.report(call.describe(), relevance)
-        return super().propagate(call, relevance)
+        result = super().propagate(call, relevance)
+        # an op without an autograd kernel (a custom or quantized kernel) has no gradient either
+        self._session.report(call.describe(), relevance, gradient=any(r is not None for r in result))
+        return result
 
     def __repr__(self) -> str:
         return "none"
@@ -439,15 +441,18 @@ class Session(TorchFunctionMode):
         # several outputs: run on the model's graph and report where relevance enters
         return watch(call._call(func, call.activations), lambda relevance: self.report(call.describe(), relevance))
 
-    def report(self, description: str, relevance: Tensor) -> None:
-        """Relevance reached an op without a rule: warn once (raise in strict mode)."""
+    def report(self, description: str, relevance: Tensor, gradient: bool = True) -> None:
+        """Relevance reached an op without a rule: warn once (raise in strict mode).
+
+        ``gradient``: whether the op's plain gradient carries the relevance on; else it stops there.
+        """
+        consequence = ("its plain gradient was used" if gradient else
+                       "it has no gradient either, so the relevance stops there")
         if self.strict:
-            raise UnsupportedOpError(f"relprop: no rule for {description}; relevance would pass through its plain "
-                                     "gradient (strict mode)")
+            raise UnsupportedOpError(f"relprop: no rule for {description}; {consequence} (strict mode)")
         if description not in self.unhandled:
             self.unhandled.append(description)
-            warnings.warn(f"relprop: no rule for {description}; its plain gradient was used", UnhandledOpWarning,
-                          stacklevel=2)
+            warnings.warn(f"relprop: no rule for {description}; {consequence}", UnhandledOpWarning, stacklevel=2)
 
     # ------------------------------------------------------------ the mode
 
