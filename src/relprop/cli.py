@@ -576,7 +576,8 @@ def evaluate(images: tuple[str, ...], model: str, weights: str | None, random_we
     inputs, _ = load_images(paths, size, normalize, channels)
     target = torch.tensor(_targets(None, _predict(network, inputs)))
     explainers: dict[str, Any] = {f"LRP {preset}": LRP(network, _composite(preset, normalize, channels)),
-                  "Gradient": methods.InputGradient(network), "Integrated Gradients": methods.IntegratedGradients(network)}
+                                  "Gradient": methods.InputGradient(network),
+                                  "Integrated Gradients": methods.IntegratedGradients(network)}
     curves = {}
     for name, explainer in [*explainers.items(), ("random", None)]:
         attribution = explainer.attribute(inputs, target=target) if explainer is not None else None
