@@ -263,7 +263,7 @@ class _Undefined(relprop.rules.Pass):
 
 
 @pytest.mark.parametrize("rule, message", [(_Doubling(), "created relevance: it handed on"),
-                                           (_Undefined(), "produced NaN or infinite relevance")])
+                                           (_Undefined(), "hands on NaN or infinite relevance")])
 def test_the_guard_names_the_op_whose_rule_creates_or_breaks_relevance(rule, message):
     model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 3, bias=False)).double().eval()
     with torch.no_grad():  # positive weights and inputs: positive relevance, which doubling makes exceed its mass

@@ -48,7 +48,7 @@ class UnhandledOpWarning(UserWarning):
 
 
 class ConservationWarning(UserWarning):
-    """An op's rule produced NaN or infinite relevance, or created relevance where it should conserve it."""
+    """An op's rule handed on NaN or infinite relevance, or created relevance where it should conserve it."""
 
 
 #: how far the relevance an op hands on may exceed the relevance arriving (its absolute values summed) before a
@@ -143,7 +143,7 @@ class Session(TorchFunctionMode):
         Model inputs of token ids: their embedding lookups collect relevance
         (:meth:`token_embedding`).
     guard : bool
-        Report ops whose rule produced NaN or infinite relevance, or created
+        Report ops whose rule hands on NaN or infinite relevance, or creates
         relevance where it should conserve it (:class:`ConservationWarning`).
     """
 
@@ -176,9 +176,9 @@ class Session(TorchFunctionMode):
         self.workspace = Workspace()
         #: address of an input's memory -> the op calls that read it (see :meth:`before_write`)
         self._readers: dict[int, list[weakref.ref[OpCall]]] = {}
-        #: per op reached in the backward pass: the call, whether its rule conserves, and its relevance totals
-        #: (arriving, handed on, arriving in absolute value), checked together once the pass ends (:meth:`_check`)
-        self._totals: list[tuple[OpCall, bool, Tensor]] = []
+        #: per op reached in the backward pass: the call, the relevance it handed on and, if its rule conserves, the
+        #: relevance that arrived summed in absolute value; checked together once the pass ends (:meth:`_check`)
+        self._totals: list[tuple[OpCall, Tensor, Tensor | None]] = []
 
     # ------------------------------------------------------------ module context
 
@@ -356,32 +356,42 @@ class Session(TorchFunctionMode):
                 call.keep_inputs_from(target)
 
     def _observe(self, call: OpCall, relevance: Tensor, result: tuple[Tensor | None, ...]) -> None:
-        """After ``call`` propagated ``relevance``: the audit, if any, and the guard's totals."""
+        """After ``call`` propagated ``relevance``: the audit, if any, and the guard's totals.
+
+        An op that hands on the very relevance that arrived (an activation's Pass) has nothing to check.
+        """
         if self.audit is not None:
             self.audit(call, relevance, result)
-        conserves = call.rule.conserves(call)
-        handed = [r.sum() for r in result if r is not None]
-        totals = [relevance.sum(), sum(handed) if handed else relevance.new_zeros(())]
-        if conserves:
-            totals.append(relevance.abs().sum())
+        handed = [r for r in result if r is not None]
+        if all(r is relevance for r in handed):
+            return
         if not self._totals:  # the first op of this backward pass: check them all when it ends
             torch.autograd.Variable._execution_engine.queue_callback(self._check)
-        # stacked now, checked at the end: one synchronisation per backward pass on a GPU, not one per op
-        self._totals.append((call, conserves, torch.stack(totals).double()))  # type: ignore[arg-type]
+        total = handed[0].sum() if len(handed) == 1 else torch.stack([r.sum() for r in handed]).sum()
+        # the relevance arriving, summed in absolute value: a conservative rule never hands on more
+        mass = torch.linalg.vector_norm(relevance, 1) if call.rule.conserves(call) else None
+        # kept as tensors and read once at the end: one synchronisation per backward pass on a GPU, not one per op
+        self._totals.append((call, total, mass))
 
     def _check(self) -> None:
-        """Report the ops of the backward pass that made NaN or infinite relevance, or broke conservation."""
+        """Report the ops of the backward pass that made NaN or infinite relevance, or created relevance."""
         entries, self._totals = self._totals, []
         if not entries:
             return
-        arriving, handed = (torch.stack([totals[i] for _, _, totals in entries]).tolist() for i in (0, 1))
-        mass = {i: totals[2] for i, (_, conserves, totals) in enumerate(entries) if conserves}
-        mass = dict(zip(mass, torch.stack(list(mass.values())).tolist())) if mass else {}
-        for i, (call, _, _) in enumerate(entries):
-            if math.isfinite(arriving[i]) and not math.isfinite(handed[i]):
-                self.report_rule(call, "produced NaN or infinite relevance")
-            elif i in mass and abs(handed[i]) > (1 + CONSERVATION_MARGIN) * mass[i] + 1e-12:
-                self.report_rule(call, f"created relevance: it handed on {handed[i]:.6g}, more than the {mass[i]:.6g} "
+        values = [value for _, total, mass in entries for value in (total, mass) if value is not None]
+        if len({value.dtype for value in values}) > 1:
+            values = [value.double() for value in values]
+        numbers = iter(torch.stack(values).tolist())
+        first_infinite = True
+        for call, _, mass in entries:  # in the order the relevance reached them
+            total = next(numbers)
+            bound = next(numbers) if mass is not None else math.inf
+            if not math.isfinite(total):
+                if first_infinite:  # the ops after it only pass it on
+                    self.report_rule(call, "hands on NaN or infinite relevance (the first op that does)")
+                first_infinite = False
+            elif abs(total) > (1 + CONSERVATION_MARGIN) * bound + 1e-12:
+                self.report_rule(call, f"created relevance: it handed on {total:.6g}, more than the {bound:.6g} "
                                        "that arrived (in absolute value)")
 
     def report_rule(self, call: OpCall, problem: str) -> None:
