@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 import torch
+from test_model_safety import assert_untouched, snapshot
 from torch import nn
+from zoo import DECODERS, ENCODERS, FLOAT32, HF, SEQ2SEQ, TIMM, TIMM_SKIP, VISION, zero_biases
 
 import relprop
-from test_model_safety import assert_untouched, snapshot
-from zoo import DECODERS, ENCODERS, FLOAT32, HF, SEQ2SEQ, TIMM, TIMM_SKIP, VISION, zero_biases
 
 pytestmark = pytest.mark.slow
 timm = pytest.importorskip("timm")
