@@ -56,6 +56,7 @@ KNOWN: dict[tuple[str, str], str] = {
     ("convit", "conserve"): "CP-LRP: sum R / f_t = 0.29, -0.30 (gated positional self-attention)",
     ("gcvit", "conserve"): "CP-LRP: sum R / f_t = 2.52, 0.94 (global query attention)",
     ("maxxvit", "conserve"): "CP-LRP: sum R / f_t = 1.16, 1.35 (test_coatnet)",
+    ("gemma4_vit", "conserve"): "CP-LRP: sum R / f_t = -0.27, 0.24",
     ("tnt", "conserve"): "CP-LRP: sum R / f_t = 1.14, 0.98",
     ("volo", "conserve"): "CP-LRP: sum R / f_t = 57, 65 (outlook attention; issue 20 item 6)",
     ("csatv2", "conserve"): "CP-LRP: sum R / f_t = 1.00008, 0.99909",
