@@ -421,3 +421,23 @@ def test_an_op_without_a_gradient_is_reported_where_relevance_stops(monkeypatch)
     with pytest.warns(relprop.UnhandledOpWarning, match="has no gradient either, so the relevance stops there"):
         relevance = relprop.LRP(Bare().eval()).attribute(x, target=0)
     assert not relevance.any()
+
+
+class _Excited(nn.Module):
+    """Squeeze-and-excitation: ``relu(h) * sigmoid(s)``, s pooled from h."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.Linear(4, 2, bias=False)
+
+    def forward(self, x):
+        h = self.conv(x)
+        return self.head((torch.relu(h) * torch.sigmoid(h.mean((2, 3), keepdim=True))).mean((2, 3)))
+
+
+def test_an_activation_gated_by_a_sigmoid_is_the_signal_under_cp_lrp():
+    """CP-LRP took both factors of ``relu(h) * sigmoid(s)`` for gates and gave all zeros."""
+    model = _Excited().double().eval()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    relevance = relprop.LRP(model, "cp-lrp").attribute(x, target=0)
+    torch.testing.assert_close(relevance.sum((1, 2, 3)), model(x)[:, 0].detach(), rtol=1e-10, atol=0)

@@ -111,7 +111,7 @@ class Composite:
         with ``rule.accepts`` that the rule can apply once the op has run.
         """
         if call.kind == "product":
-            call.gates = tuple(factor in self.gate_kinds for factor in call.factors)
+            call.gates = self.gates(call.factors)
         own = self.own_rule(module)
         if own is not None:
             return own, f"set as .rule on module '{name or '<root>'}'"
@@ -124,6 +124,21 @@ class Composite:
             if call.kind in rule.kinds and isinstance(module, types):
                 return rule, f"layer_map entry for {types}"
         return self.default(call), "default"
+
+    def gates(self, factors: tuple[str | None, ...]) -> tuple[bool, ...]:
+        """Which factors of a product, tagged ``factors``, are gates that take no relevance.
+
+        Where every factor would be one, an activation output gated by a
+        sigmoid or a softmax is the signal (CP-LRP on squeeze-and-excitation:
+        ``relu(h) * sigmoid(s)``); gates alone share the relevance uniformly.
+        Never may all of it vanish.
+        """
+        gates = tuple(factor in self.gate_kinds for factor in factors)
+        if len(gates) > 1 and all(gates):
+            gates = tuple(factor != "activation" for factor in factors)
+            if all(gates):
+                gates = (False,) * len(gates)
+        return gates
 
     def default(self, call: OpCall) -> Rule | None:
 
