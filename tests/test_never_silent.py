@@ -315,12 +315,15 @@ class _Router(nn.Module):
             weights, _ = torch.topk(weights, 2, -1)
         elif self.how == "renormalised":
             weights = weights / weights.sum(-1, keepdim=True)
+        elif self.how == "renormalised in place":  # Mixtral
+            weights, _ = torch.topk(weights, 2, -1)
+            weights /= weights.sum(-1, keepdim=True)
         else:  # PhiMoE's sparsemixer: the chosen weight scattered into a zero mask
             weights = torch.zeros_like(weights).scatter(-1, weights.argmax(-1, keepdim=True), weights.amax(-1, True))
         return self.out(self.expert(x) * weights[:, :1].clone())
 
 
-@pytest.mark.parametrize("how", ["topk", "renormalised", "scatter"])
+@pytest.mark.parametrize("how", ["topk", "renormalised", "renormalised in place", "scatter"])
 def test_router_weights_stay_gates_under_cp_lrp(how):
     """The expert's output takes all the relevance (was 0.53-0.69 of f: the router took a share)."""
     model = _Router(how).double().eval()

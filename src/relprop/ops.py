@@ -243,6 +243,8 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
         if keeps_input:  # one copy serves this op's rule and the target's producer
             source = target.clone()
             session.protect(target, copy=source)
+            if (tag := session.tags.get(target)) is not None:  # `weights /= weights.sum()` keeps a gate a gate
+                session.tags[source] = tag
             args = tuple(source if a is target else a.clone() if aliases(a, target) else a for a in args)
             kwargs = {key: a.clone() if aliases(a, target) else a for key, a in kwargs.items()}
         else:
