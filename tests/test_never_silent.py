@@ -262,8 +262,14 @@ class _Undefined(relprop.rules.Pass):
         return tuple(r / 0.0 for r in super().propagate(call, relevance))
 
 
+class _Dropping(relprop.rules.Pass):
+    def propagate(self, call, relevance):
+        return tuple(0 * r for r in super().propagate(call, relevance))
+
+
 @pytest.mark.parametrize("rule, message", [(_Doubling(), "created relevance: it handed on"),
-                                           (_Undefined(), "hands on NaN or infinite relevance")])
+                                           (_Undefined(), "hands on NaN or infinite relevance"),
+                                           (_Dropping(), "dropped all the relevance that arrived")])
 def test_the_guard_names_the_op_whose_rule_creates_or_breaks_relevance(rule, message):
     model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 3, bias=False)).double().eval()
     with torch.no_grad():  # positive weights and inputs: positive relevance, which doubling makes exceed its mass
@@ -444,3 +450,11 @@ def test_an_activation_gated_by_a_sigmoid_is_the_signal_under_cp_lrp():
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     relevance = relprop.LRP(model, "cp-lrp").attribute(x, target=0)
     torch.testing.assert_close(relevance.sum((1, 2, 3)), model(x)[:, 0].detach(), rtol=1e-10, atol=0)
+
+
+def test_a_data_parallel_model_is_explained_through_the_module_it_wraps():
+    """nn.DataParallel runs replicas in threads, where the engine's mode is not active."""
+    model = _Net(SCALED_BY_A_PARAMETER["view"]).double().eval()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    torch.testing.assert_close(relprop.LRP(nn.DataParallel(model), LRP0).attribute(x, target=0),
+                               relprop.LRP(model, LRP0).attribute(x, target=0), rtol=0, atol=0)

@@ -393,6 +393,8 @@ class Session(TorchFunctionMode):
             elif abs(total) > (1 + CONSERVATION_MARGIN) * bound + 1e-12:
                 self.report_rule(call, f"created relevance: it handed on {total:.6g}, more than the {bound:.6g} "
                                        "that arrived (in absolute value)")
+            elif total == 0 and 0 < bound < math.inf:
+                self.report_rule(call, f"dropped all the relevance that arrived ({bound:.6g} in absolute value)")
 
     def report_rule(self, call: OpCall, problem: str) -> None:
         """A rule's relevance cannot be right: warn once per op (raise in strict mode)."""
