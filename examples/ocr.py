@@ -144,7 +144,7 @@ def explain_region(detector: nn.Module, x: Tensor, box: tuple[int, int, int, int
     CRAFT's score maps have half the input's resolution; the box is halved to match.
     """
     lrp = relprop.LRP(detector, ocr_composite(), strict=True)
-    explained = lrp.forward(x)
+    explained = lrp.record(x)
     scores = explained.logits.detach()  # (1, H/2, W/2, 2): region score, affinity score
     x0, x1, y0, y1 = (v // 2 for v in box)
     seed = torch.zeros_like(scores)

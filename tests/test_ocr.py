@@ -89,7 +89,7 @@ def test_int8_recognizer_output_is_easyocrs_and_relevance_is_accounted_for(reade
     model, x = reader.recognizer, example.word_tensor(word)
     characters = example.decode(example.recognizer_logits(model, x)[0], reader.converter.character)
     target = (characters[0].column, characters[0].label)
-    forward = relprop.LRP(model, example.ocr_composite()).forward(x, additional_forward_args=(None,))
+    forward = relprop.LRP(model, example.ocr_composite()).record(x, additional_forward_args=(None,))
     assert torch.equal(forward.logits.detach(), example.recognizer_logits(model, x))  # the int8 kernels' output
     report = relprop.audit(model, x, target, example.ocr_composite(), additional_forward_args=(None,))
     assert not report.unhandled
