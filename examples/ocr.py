@@ -310,7 +310,7 @@ def masking_scores(model: nn.Module, x: Tensor, characters: list[Character], rel
     background = x.median()
     scores = {"LRP": relevance, "random": torch.rand(relevance.shape, generator=generator)}
     if set(methods) & set(GRADIENT_METHODS):
-        gradient = relprop.methods.Gradient(model).attribute(batch, targets, additional_forward_args=(None,))[:, 0]
+        gradient = relprop.methods.InputGradient(model).attribute(batch, targets, additional_forward_args=(None,))[:, 0]
         scores["Gradient"] = gradient.abs()
         scores["Gradient x (background - x)"] = -gradient * (background - x[0, 0])
     count = max(1, round(MASKED_SHARE * x[0, 0].numel()))
