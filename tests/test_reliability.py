@@ -42,11 +42,18 @@ def test_channels_last_and_no_grad_around_the_call(device):
     expected = relprop.LRP(model, "epsilon-plus").attribute(x, target=1)
     channels_last = relprop.LRP(model, "epsilon-plus").attribute(x.to(memory_format=torch.channels_last), target=1)
     torch.testing.assert_close(channels_last, expected, rtol=1e-12, atol=1e-15)
+    # cuDNN's convolution backward sums in a run-dependent order, so on a GPU a repeat is equal only to rounding
+    if device == "cpu":
+        def same(a, b):
+            assert torch.equal(a, b)
+    else:
+        def same(a, b):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
     with torch.no_grad():
-        assert torch.equal(relprop.LRP(model, "epsilon-plus").attribute(x, target=1), expected)
+        same(relprop.LRP(model, "epsilon-plus").attribute(x, target=1), expected)
     with torch.inference_mode():
         inference = relprop.LRP(model, "epsilon-plus").attribute(x, target=1)
-    assert torch.equal(inference, expected)
+    same(inference, expected)
 
 
 def test_threads_with_two_models_and_with_one_model():
