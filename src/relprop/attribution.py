@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from . import composites
+from .adapters import hold_selective_parameters
 from .engine import Session
 
 __all__ = ["Attribution", "LRP", "ForwardPass", "Contrastive", "output_relevance", "target_mask", "model_logits",
@@ -290,7 +291,7 @@ class LRP(Attribution):
                  ) -> Iterator[Session]:
         session = Session(self.model, self.composite, self.strict, taps=taps, audit=audit, token_inputs=token_inputs,
                           guard=self.guard)
-        with torch.enable_grad(), session.active():
+        with torch.enable_grad(), session.active(), hold_selective_parameters(self.model):
             yield session
 
     @_eager
