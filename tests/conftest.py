@@ -11,6 +11,9 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from site-packages and configs, never a hub
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # the workers share the cores: one thread each, none oversubscribed
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(autouse=True)
 def _seed():
