@@ -1,11 +1,12 @@
 """Bitwise comparison of relevance between two checkouts of relprop (a refactoring must change no number).
 
 ``save`` computes the relevance of every preset on ResNet18, VGG11, MobileNetV3-small, DenseNet121 and
-torchvision's ViT-B/16 (random weights, fixed seed, a batch of 2 images of 224 x 224 pixels) and on the tiny Llama
-and BERT configs of ``tests/test_transformers.py`` (eager and SDPA attention, float64), with whichever ``relprop``
-Python imports, and writes them to a file. ``compare`` reads two such files and prints, per model and preset,
-whether the relevance is bitwise equal (``torch.equal``); it exits with status 1 if any differs. One thread, so
-that the kernels sum in the same order in both runs::
+torchvision's ViT-B/16 (random weights, fixed seed, a classifier that starts at zero drawn at random too, a
+batch of 2 images of 224 x 224 pixels) and on the tiny Llama and BERT configs of ``tests/test_transformers.py``
+(eager and SDPA attention, float64), with whichever ``relprop`` Python imports, and writes them to a file.
+``compare`` reads two such files and prints, per model and preset, whether the relevance is bitwise equal
+(``torch.equal``); it exits with status 1 if any differs. One thread, so that the kernels sum in the same order
+in both runs::
 
     PYTHONPATH=/path/to/old/src python benchmarks/compare_main.py save old.pt
     PYTHONPATH=src python benchmarks/compare_main.py save new.pt
@@ -42,6 +43,9 @@ def _vision(name: str) -> tuple[nn.Module, Tensor, Tensor]:
 
     torch.manual_seed(0)
     model = getattr(torchvision.models, name)(weights=None).eval()
+    for module in model.modules():  # ViT's head starts at zero: every logit, and every relevance, would be 0
+        if isinstance(module, nn.Linear) and not module.weight.any():
+            nn.init.normal_(module.weight, std=0.02)
     images = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     return model, images, torch.tensor([3, 7])
 

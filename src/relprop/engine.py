@@ -4,9 +4,13 @@ A :class:`Session` is a :class:`torch.overrides.TorchFunctionMode` that is
 entered only for the forward pass being explained. Every torch function the
 model calls reaches :meth:`Session.__torch_function__`, which hands it to its
 op family (:mod:`relprop.ops`). Forward pre/post hooks, placed on the
-model's modules for the duration of the pass, tell which module issued each
-op, so rules can be chosen per module. On exit every hook is removed and
-every module's training flag is as before, also when the forward raises.
+model's modules for the duration of the pass, keep a :class:`ModuleContext`
+that tells which module issued each op, so rules can be chosen per module. On
+exit every hook is removed and every module's training flag is as before,
+also when the forward raises. What the pass knows about its activations
+(producers, tags, readers, in-place overwrites) lives in one
+:class:`~relprop.tracking.AliasTracker`; handlers see the session through the
+:class:`~relprop.ops.OpHost` protocol.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from .tracking import AliasTracker, aliases
 if TYPE_CHECKING:
     from .composites import Composite
 
-__all__ = ["Session", "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning"]
+__all__ = ["Session", "ModuleContext", "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning"]
 
 
 class RuleError(ValueError):

@@ -1,4 +1,4 @@
-"""Alias and in-place tracking for one attribution forward pass (docs/design.md, section 6).
+"""Alias and in-place tracking for one attribution forward pass (docs/design.md, section 7).
 
 An :class:`AliasTracker` knows, for the activations of the pass, which op call produced each one, what each one
 is (its tag: a gate, a statistic, attention weights), which op calls read which memory, and which outputs an
