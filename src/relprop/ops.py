@@ -1,11 +1,12 @@
 """Op families: how each torch function is intercepted (docs/design.md, section 3).
 
 :data:`HANDLERS` maps a torch function (``torch.conv2d``, ``Tensor.add``,
-``F.relu``, ...) to a handler ``(session, func, args, kwargs) -> output``.
-A handler either runs the function as it is (routing ops, whose gradient
-re-routes relevance exactly) or builds an op call for the engine to run with
-a rule. Functions missing from the table are reported by the engine when
-relevance flows through them.
+``F.relu``, ...) to a handler ``(host, func, args, kwargs) -> output``, where
+``host`` is the engine as an :class:`OpHost`. A handler either runs the
+function as it is (routing ops, whose gradient re-routes relevance exactly)
+or builds an op call for the engine to run with a rule. Functions missing
+from the table are reported by the engine when relevance flows through them.
+The table is strict: a name this torch lacks raises at import (:func:`_lookup`).
 """
 from __future__ import annotations
 
@@ -853,8 +854,7 @@ _NAMESPACES = {id(torch): "torch", id(_T): "Tensor", id(F): "torch.nn.functional
 #: names that exist only in some of the torch versions relprop supports: registered where they exist. Any other
 #: name this torch lacks is a mistake in the table and raises at import
 _OPTIONAL = frozenset({
-    "torch._grouped_mm",  # added in torch 2.8 (MoE kernels)
-    "torch.nn.functional.rms_norm",  # added in torch 2.4; kept optional for builds that leave it out
+    "torch._grouped_mm",  # added in torch 2.8 (mixture-of-experts kernels)
 })
 
 
