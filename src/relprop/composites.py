@@ -35,11 +35,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
 from . import rules
+from .graph import OpKind
 from .rules import Rule
 
 if TYPE_CHECKING:
@@ -140,27 +142,33 @@ class Composite:
                 gates = (False,) * len(gates)
         return gates
 
-    def default(self, call: OpCall) -> Rule | None:
+    #: the default rule of each op kind, as the name of the composite's attribute that holds it (read at each op,
+    #: so a preset or a user that sets ``composite.dense = ...`` changes it). Products choose among three rules
+    #: (:meth:`_product`). A kind not listed (max pooling, unknown ops) gets None: winner-take-all, the gradient
+    DEFAULTS: Mapping[OpKind, str] = MappingProxyType({
+        OpKind.CONV: "conv",
+        OpKind.DENSE: "dense",
+        OpKind.SUM: "_linear",
+        OpKind.NORM: "_linear",
+        OpKind.BATCHNORM: "_linear",
+        OpKind.SOFTMAX: "_softmax",
+        OpKind.ATTENTION: "attention",
+        OpKind.ELEMENTWISE: "_pass",
+    })
 
-        """The rule an op gets when nothing is mapped to it."""
-        kind = call.kind
-        if kind == "conv":
-            return self.conv
-        if kind == "dense":
-            return self.dense
-        if kind in ("sum", "norm", "batchnorm"):
-            return self._linear
-        if kind == "softmax":
-            return self._softmax
-        if kind == "attention":
-            return self.attention
-        if kind == "product" and self._gated.accepts(call):
+    def default(self, call: OpCall) -> Rule | None:
+        """The rule an op gets when nothing is mapped to it (:attr:`DEFAULTS`)."""
+        if call.kind == OpKind.PRODUCT:
+            return self._product(call)
+        attribute = self.DEFAULTS.get(call.kind)
+        return getattr(self, attribute) if attribute is not None else None
+
+    def _product(self, call: OpCall) -> Rule:
+        """A product's default: the signal takes all next to gates, two or more activations split uniformly,
+        an activation scaled by constants passes its relevance."""
+        if self._gated.accepts(call):
             return self._gated
-        if kind == "product" and len(call.inputs) >= 2:
-            return self._uniform
-        if kind in ("elementwise", "product"):
-            return self._pass
-        return None  # max pooling: winner-take-all
+        return self._uniform if len(call.inputs) >= 2 else self._pass
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(epsilon={self.epsilon})"

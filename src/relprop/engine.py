@@ -4,9 +4,13 @@ A :class:`Session` is a :class:`torch.overrides.TorchFunctionMode` that is
 entered only for the forward pass being explained. Every torch function the
 model calls reaches :meth:`Session.__torch_function__`, which hands it to its
 op family (:mod:`relprop.ops`). Forward pre/post hooks, placed on the
-model's modules for the duration of the pass, tell which module issued each
-op, so rules can be chosen per module. On exit every hook is removed and
-every module's training flag is as before, also when the forward raises.
+model's modules for the duration of the pass, keep a :class:`ModuleContext`
+that tells which module issued each op, so rules can be chosen per module. On
+exit every hook is removed and every module's training flag is as before,
+also when the forward raises. What the pass knows about its activations
+(producers, tags, readers, in-place overwrites) lives in one
+:class:`~relprop.tracking.AliasTracker`; handlers see the session through the
+:class:`~relprop.ops.OpHost` protocol.
 """
 from __future__ import annotations
 
@@ -15,7 +19,6 @@ import math
 import re
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -26,13 +29,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import rules
-from .graph import OpCall, Workspace, is_activation, model_input, propagate, tap, watch
-from .ops import ALWAYS_HANDLED, HANDLERS, aliases, from_aten, has_activation, has_parameter, op_name
+from .graph import OpCall, OpKind, Workspace, is_activation, model_input, propagate, tap, watch
+from .ops import ALWAYS_HANDLED, HANDLERS, from_aten, has_activation, has_parameter, op_name
+from .tracking import AliasTracker, aliases
 
 if TYPE_CHECKING:
     from .composites import Composite
 
-__all__ = ["Session", "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning"]
+__all__ = ["Session", "ModuleContext", "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning"]
 
 
 class RuleError(ValueError):
@@ -97,14 +101,6 @@ class _Unhandled(rules.Gradient):
         return "none"
 
 
-def _maps_zero_to_zero(call: OpCall) -> bool:
-    """Whether ``call`` is an elementwise op that, with its constants, maps 0 to 0 (entry by entry)."""
-    if call.kind != "elementwise":
-        return False
-    (x,) = call.inputs
-    return bool((call._call(call.func, (x.new_zeros((1,) * x.dim()),)) == 0).all())
-
-
 def _constant_output(out: Any, args: tuple) -> Any:
     """``out``, computed from constants alone, as constants.
 
@@ -118,6 +114,60 @@ def _constant_output(out: Any, args: tuple) -> Any:
     if type(out) in (tuple, list):  # chunk, split, unbind; not named tuples (their fields stay as they are)
         return type(out)(_constant_output(o, args) for o in out)
     return out
+
+
+class ModuleContext:
+    """Which module issued each op: the stack of module forwards running, kept by forward hooks.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model whose modules (and their dotted paths) are followed.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names = {module: name for name, module in model.named_modules()}
+        self._stack: list[nn.Module] = []
+        #: the dotted path of :attr:`module` (``""`` for the root or outside any module); read by every op
+        self.module_name = ""
+        #: depth inside activation modules run as one elementwise op (their ops are not intercepted one by one)
+        self.opaque = 0
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The innermost module whose forward is running."""
+        return self._stack[-1] if self._stack else None
+
+    def enter(self, module: nn.Module) -> None:
+        """``module``'s forward starts."""
+        self._stack.append(module)
+        self.module_name = self.names.get(module, "")
+        if self.opaque or _is_activation_module(module):
+            self.opaque += 1
+
+    def is_innermost(self, module: nn.Module) -> bool:
+        """Whether ``module`` is the innermost module running (its forward hook belongs to this pass)."""
+        return bool(self._stack) and self._stack[-1] is module
+
+    def end_opaque(self) -> bool:
+        """The innermost module's forward ends: whether it is the outermost of nested activation modules.
+
+        Its output then becomes one op, while the module is still the innermost (:meth:`exit` follows).
+        """
+        if not self.opaque:
+            return False
+        self.opaque -= 1
+        return not self.opaque
+
+    def exit(self) -> None:
+        """The innermost module's forward has ended."""
+        self._stack.pop()
+        self.module_name = self.names.get(self._stack[-1], "") if self._stack else ""
+
+    def clear(self) -> None:
+        self._stack.clear()
+        self.opaque = 0
+        self.module_name = ""
 
 
 class Session(TorchFunctionMode):
@@ -159,23 +209,15 @@ class Session(TorchFunctionMode):
         self._token_inputs = token_inputs
         #: index of an integer model input -> leaves of its embedded vectors (relevance collects there)
         self.embeddings: dict[int, list[Tensor]] = {}
-        self._opaque = 0  # depth inside activation modules run as one elementwise op
-        self._names = {module: name for name, module in model.named_modules()}
-        self._stack: list[nn.Module] = []
-        #: output tensor -> the op call that produced it
-        self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        #: tensors tagged with what produced them ("sigmoid", "activation", "statistic", "softmax")
-        self.tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        #: tensor -> the op calls whose output an in-place ReLU set to 0 in entries the tensor holds: they read
-        #: ``relu(z)`` for ``z`` unless a later op may give relevance to those entries (:meth:`follow_zeros`)
-        self.zeroed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: which module issued each op
+        self.context = ModuleContext(model)
+        #: producers, tags, readers and in-place overwrites of the activations
+        self.aliases = AliasTracker()
         #: tap output -> its record (so that a BatchNorm merged across a tap keeps it)
         self.tapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.unhandled: list[str] = []
         #: scratch memory the parametric op calls share (see :class:`relprop.graph.Workspace`)
         self.workspace = Workspace()
-        #: address of an input's memory -> the op calls that read it (see :meth:`before_write`)
-        self._readers: dict[int, list[weakref.ref[OpCall]]] = {}
         #: per op reached in the backward pass: the call, the relevance it handed on and, if its rule conserves, the
         #: relevance that arrived summed in absolute value; checked together once the pass ends (:meth:`_check`)
         self._totals: list[tuple[OpCall, Tensor, Tensor | None]] = []
@@ -183,38 +225,34 @@ class Session(TorchFunctionMode):
     # ------------------------------------------------------------ module context
 
     @property
-    def module(self) -> nn.Module | None:
-        """The innermost module whose forward is running."""
-        return self._stack[-1] if self._stack else None
-
-    @property
     def module_name(self) -> str:
-        module = self.module
-        return self._names.get(module, "") if module is not None else ""
+        """The dotted path of the innermost module whose forward is running."""
+        return self.context.module_name
 
     def module_rule(self) -> rules.Rule | None:
         """The rule set on the innermost module as ``module.rule``, if any."""
-        return self.composite.own_rule(self.module)
+        return self.composite.own_rule(self.context.module)
+
+    def record(self, kind: OpKind, func: Callable, args: tuple, kwargs: dict,
+               linearised: Callable | None = None) -> OpCall:
+        """An op call of ``kind`` for ``func(*args, **kwargs)``, issued by the current module (see :class:`OpCall`)."""
+        return OpCall(kind, func, args, kwargs, op_name(func), self.context.module_name, linearised)
 
     def _enter_module(self, module: nn.Module, args: Any) -> Any:
         if getattr(_current, "session", None) is not self:
             return None
-        self._stack.append(module)
-        if self._opaque or _is_activation_module(module):
-            self._opaque += 1
+        self.context.enter(module)
         tapper = self._taps.get(module)
         if tapper is not None and tapper.input:
             return tapper(self, args)
         return None
 
     def _exit_module(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if getattr(_current, "session", None) is not self or not self._stack or self._stack[-1] is not module:
+        if getattr(_current, "session", None) is not self or not self.context.is_innermost(module):
             return None
-        if self._opaque:
-            self._opaque -= 1
-            if not self._opaque and output is not None:
-                output = self._activation_module(module, args, output)
-        self._stack.pop()
+        if self.context.end_opaque() and output is not None:
+            output = self._activation_module(module, args, output)
+        self.context.exit()
         tapper = self._taps.get(module)
         if tapper is not None and not tapper.input and output is not None:
             return tapper(self, output)
@@ -229,9 +267,9 @@ class Session(TorchFunctionMode):
             raise RuntimeError(f"relprop: activation module '{self.module_name}' ({type(module).__name__}) must map "
                                "one tensor to one tensor of the same shape")
         value = output.detach()
-        call = OpCall("elementwise", _stored, (x, value), {}, type(module).__name__, self.module_name)
+        call = OpCall(OpKind.ELEMENTWISE, _stored, (x, value), {}, type(module).__name__, self.module_name)
         out = self.run(call)
-        self.tags[out] = "activation"
+        self.aliases.set_tag(out, "activation")
         return out
 
     def token_embedding(self, ids: Any, vectors: Tensor) -> Tensor:
@@ -253,16 +291,14 @@ class Session(TorchFunctionMode):
             return value
         record.below = value
         out = tap(value, record)
-        producer = self.producers.get(value)
-        if producer is not None:
-            self.producers[out] = producer
+        self.aliases.alias(out, value)
         self.tapped[out] = record
         return out
 
     @contextmanager
     def active(self) -> Iterator["Session"]:
         """Hooks, eval mode and the torch function mode for one forward pass; all undone on exit."""
-        training = [module for module in self._names if module.training]
+        training = [module for module in self.context.names if module.training]
         if training:
             warnings.warn("relprop: the model is in training mode; it is explained in eval mode "
                           "(dropout off, BatchNorm running statistics) and put back afterwards", stacklevel=2)
@@ -271,7 +307,7 @@ class Session(TorchFunctionMode):
         try:
             for module in training:
                 module.training = False
-            for module in self._names:
+            for module in self.context.names:
                 handles.append(module.register_forward_pre_hook(self._enter_module))
                 handles.append(module.register_forward_hook(self._exit_module, always_call=True))
             _current.session = self
@@ -279,7 +315,7 @@ class Session(TorchFunctionMode):
                 yield self
         finally:
             _current.session = previous
-            self._stack.clear()
+            self.context.clear()
             for handle in handles:
                 handle.remove()
             for module in training:
@@ -291,69 +327,30 @@ class Session(TorchFunctionMode):
         """Whether ``x`` comes from a model input through routing ops only (the op is a first layer)."""
         return model_input(x) is not None
 
-    def overwritten(self, tensor: Tensor, result: Tensor | None = None) -> Tensor:
-        """``tensor`` was modified in place: it takes ``result``'s producer and tag, or loses its own.
-
-        Else a BatchNorm after ``conv -> bn -> relu_`` would be merged into the
-        convolution across the ReLU.
-        """
-        for table in (self.producers, self.tags, self.zeroed):
-            if result is not None and result in table:
-                table[tensor] = table[result]
-            elif tensor in table:
-                del table[tensor]
-        return tensor
-
-    def protect(self, tensor: Any, copy: Tensor | None = None) -> None:
-        """Before ``tensor`` is modified in place, let the call that produced it keep what it needs.
-
-        ``copy``, a copy of ``tensor`` that nothing will modify, serves instead of one of its own. The calls
-        that read ``tensor`` keep copies of what they read (:meth:`before_write`).
-        """
-        if not isinstance(tensor, Tensor):
-            return
-        call = self.producers.get(tensor)
-        if call is not None:
-            call.protect(copy)
-        self.before_write(tensor)
-
     def rule_for(self, call: OpCall) -> tuple[rules.Rule | None, str]:
         """The composite's rule for ``call`` in the current module, and where it came from."""
-        return self.composite.rule_for(call, self.module, self.module_name)
+        return self.composite.rule_for(call, self.context.module, self.context.module_name)
 
     def run(self, call: OpCall, rule: rules.Rule | None = None, source: str = "inherited from the merged layer") -> Any:
         """Run ``call`` as a relevance node with its rule (``rule``, from ``source``, or the composite's choice)."""
         if rule is None:
             rule, source = self.rule_for(call)
-        zeroed: tuple[OpCall, ...]
-        zeroed = ()  # entries an in-place ReLU set to 0 among the inputs: of interest unless they get no relevance
-        if self.zeroed and not getattr(rule, "zero_for_zero_input", False):  # (rule None: winner-take-all)
-            zeroed = self.zeroed_in(call.activations)
+        # entries an in-place ReLU set to 0 among the inputs: of interest unless they get no relevance
+        zeroed = self.aliases.zeroed_for(call, rule)
         if rule is None:  # winner-take-all: the gradient is the rule
             out = call._call(call.func, call.activations)
-            self.carry_zeros(zeroed, out)
+            self.aliases.carry_zeros(zeroed, out)
             return out
-        call.audit = self._observe if self.guard else self.audit
-        out = propagate(call, rule)
+        out = propagate(call, rule, self._observe if self.guard else self.audit)
         if not rule.accepts(call):
             shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
             raise RuleError(f"relprop: rule {rule!r} ({source}) cannot apply to {call.describe()} (op kind "
                             f"'{call.kind}', input shapes {shapes}, output shape {tuple(call.output.shape)})")
         if zeroed:
-            self.follow_zeros(call, rule, zeroed, out)
+            self.aliases.follow_zeros(call, rule, zeroed, out)
         call.settle()
-        self.producers[out] = call
-        reader = weakref.ref(call)
-        for x in call.inputs:
-            self._readers.setdefault(torch._C._storage_address(x), []).append(reader)  # type: ignore[attr-defined]
+        self.aliases.recorded(call, out)
         return out
-
-    def before_write(self, target: Tensor) -> None:
-        """``target``, an activation, is about to be overwritten in place: the ops that read it keep copies."""
-        for reader in self._readers.pop(torch._C._storage_address(target), ()):  # type: ignore[attr-defined]
-            call = reader()
-            if call is not None:
-                call.keep_inputs_from(target)
 
     def _observe(self, call: OpCall, relevance: Tensor, result: tuple[Tensor | None, ...]) -> None:
         """After ``call`` propagated ``relevance``: the audit, if any, and the guard's totals.
@@ -405,43 +402,9 @@ class Session(TorchFunctionMode):
             self.unhandled.append(message)
             warnings.warn(message, ConservationWarning, stacklevel=2)
 
-    def zeroed_in(self, values: Any) -> tuple[OpCall, ...]:
-        """The op calls whose output an in-place ReLU set to 0 in entries that ``values`` (tensors, lists) hold."""
-        found = []
-        for value in values:
-            if isinstance(value, Tensor):
-                found.extend(self.zeroed.get(value, ()))
-            elif isinstance(value, (list, tuple)):
-                found.extend(self.zeroed_in(value))
-        return tuple(found)
-
-    def carry_zeros(self, zeroed: tuple[OpCall, ...], out: Any) -> None:
-        """``out`` holds entries of tensors in which those of ``zeroed`` calls' outputs were set to 0."""
-        if not zeroed:
-            return
-        for value in out if isinstance(out, (list, tuple)) else (out,):
-            if isinstance(value, Tensor) and value.requires_grad:
-                self.zeroed[value] = zeroed
-
-    def follow_zeros(self, call: OpCall, rule: rules.Rule, zeroed: tuple[OpCall, ...], out: Tensor) -> None:
-        """``call`` reads entries that an in-place ReLU set to 0 in the outputs of ``zeroed`` calls.
-
-        ``call``'s rule may give relevance to inputs that are 0 (it is not
-        :attr:`~relprop.rules.Rule.zero_for_zero_input`), or pass it through an
-        op that maps 0 to something else (``sigmoid``): then the ``zeroed``
-        calls need their true output back. An elementwise op that maps 0 to 0
-        and passes relevance through leaves the question to the ops that read
-        its output.
-        """
-        if type(rule) is rules.Pass and _maps_zero_to_zero(call):
-            self.carry_zeros(zeroed, out)
-            return
-        for producer in zeroed:
-            producer.restore_output()
-
     def unknown(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """An op without a rule: its plain gradient, reported if relevance flows through it."""
-        call = OpCall("unknown", func, args, kwargs, op_name(func), self.module_name)
+        call = self.record(OpKind.UNKNOWN, func, args, kwargs)
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in call.inputs]
             out = call._call(func, leaves)
@@ -473,12 +436,13 @@ class Session(TorchFunctionMode):
         handler = HANDLERS.get(func)
         if handler is None and (resolved := from_aten(func, args, kwargs)) is not None:
             handler, func, args, kwargs = resolved
-        if self._opaque or (handler not in ALWAYS_HANDLED and not has_activation(args, kwargs)):
+        opaque = self.context.opaque
+        if opaque or (handler not in ALWAYS_HANDLED and not has_activation(args, kwargs)):
             # no activation in: a constant out (also what is computed from parameters alone); inside an
             # activation module, its output becomes one op in the exit hook. Ops on plain constants run as they
             # are: a view of a fresh buffer made under no_grad could not take activations in place later
             # (`buf[:, :4].copy_(h)`)
-            if not (self._opaque or has_parameter(args, kwargs)):
+            if not (opaque or has_parameter(args, kwargs)):
                 return func(*args, **kwargs)
             with torch.no_grad():
                 return _constant_output(func(*args, **kwargs), args)

@@ -10,6 +10,7 @@ in the backward pass.
 """
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
@@ -21,8 +22,38 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 if TYPE_CHECKING:
     from .rules import Rule
 
-__all__ = ["OpCall", "ParametricCall", "InPlaceSumCall", "Workspace", "is_activation", "propagate", "watch", "tap",
+__all__ = ["OpKind", "OpCall", "ParametricCall", "InPlaceSumCall", "Workspace", "is_activation", "propagate", "watch", "tap",
            "substitute", "is_relevance_node", "model_input", "routed_image"]
+
+
+class OpKind(enum.StrEnum):
+    """The op families (docs/design.md, section 3): what a rule may assume about an op.
+
+    Members are strings (``OpKind.CONV == "conv"``), so a rule's ``kinds`` may name them either way.
+    """
+
+    #: convolutions, parametric linear maps ``f(x; weight, bias)``
+    CONV = "conv"
+    #: dense layers (``F.linear``, Hugging Face's ``Conv1D``)
+    DENSE = "dense"
+    #: a BatchNorm that could not be merged into the op before it: an affine map
+    BATCHNORM = "batchnorm"
+    #: sums, means, average pooling, interpolation, routing with constants mixed in
+    SUM = "sum"
+    #: layer, group and RMS norm with their statistic held constant
+    NORM = "norm"
+    #: elementwise nonlinearities and scalings by constants
+    ELEMENTWISE = "elementwise"
+    #: products of activations, divisions, matrix products
+    PRODUCT = "product"
+    #: max pooling
+    MAXPOOL = "maxpool"
+    #: softmax inside the model
+    SOFTMAX = "softmax"
+    #: fused attention (``F.scaled_dot_product_attention``)
+    ATTENTION = "attention"
+    #: an op without a rule: its plain gradient, reported
+    UNKNOWN = "unknown"
 
 
 def is_activation(value: Any) -> TypeGuard[Tensor]:
@@ -119,8 +150,8 @@ class OpCall:
 
     Parameters
     ----------
-    kind : str
-        The op family (see :mod:`relprop.rules`).
+    kind : OpKind
+        The op family.
     func : callable
         The torch function that computes the output.
     args, kwargs :
@@ -135,17 +166,26 @@ class OpCall:
         should use (e.g. layer norm with its statistic detached).
     """
 
-    # set by the op families (relprop.ops) and rules on calls of some kinds; declared here for type checkers
-    is_first: bool
-    factors: tuple[str | None, ...]
-    gates: tuple[bool, ...]
-    matrix: bool
+    # Fields of calls of some kinds, declared here so that a rule may read them on any call. Each is set by the
+    # constructor of the call class of its kind (in relprop.ops), except where said otherwise
+    #: a convolution or dense op fed by a model input through routing ops alone (:class:`ParametricCall`)
+    is_first: bool = False
+    #: products: the tag of each activation factor (``"sigmoid"``, ``"softmax"``, ``"divisor"``, ...; None: none)
+    factors: tuple[str | None, ...] = ()
+    #: products: which factors are gates that take no relevance; set by the composite that chooses the rule
+    gates: tuple[bool, ...] = ()
+    #: products: a matrix product
+    matrix: bool = False
+    #: softmax: the dimension it normalises
     dim: int
+    #: the number of dimensions of the output (set by :func:`propagate`)
     output_dim: int
+    #: a rule's precomputed ``1 / denominator``, kept from :meth:`prepare` to the propagation (freed by :meth:`finish`)
     inverse: Tensor
+    #: max pooling: the average pooling over the same windows
     average: Callable[[Tensor], Tensor]
 
-    def __init__(self, kind: str, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str,
+    def __init__(self, kind: OpKind, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str,
                  linearised: Callable | None = None):
         self.kind = kind
         self.func = func
@@ -256,6 +296,18 @@ class OpCall:
 
     def _needs_graph(self) -> bool:
         return self.rule.needs_vjp and self._graph is None
+
+    def run_in_place(self, overwrites: OpCall | None) -> None:
+        """Run the op in place on its one activation input, whose producer ``overwrites`` still reads that memory.
+
+        Only for a rule that reads nothing but the input's shape (see ``ops._in_place_pass``).
+        """
+        self.in_place = True
+        self.overwrites = overwrites
+
+    def zeroed_in_place(self) -> None:
+        """An in-place ReLU overwrote the output in its memory: it holds ``relu(z) >= 0`` (see :meth:`restore_output`)."""
+        self.output_nonnegative = True
 
     def run(self) -> Tensor:
         """Compute the output; keep the op's gradient graph if the rule needs its VJP."""
@@ -397,16 +449,17 @@ class ParametricCall(OpCall):
     :meth:`stack_signs`).
     """
 
-    def __init__(self, kind: str, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str,
+    def __init__(self, kind: OpKind, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str,
                  weight: Tensor, bias: Tensor | None,
                  evaluate: Callable[[Tensor, Tensor, Tensor | None], Tensor], channel_dim: int | None,
-                 transpose: Callable[..., Tensor] | None, workspace: Workspace):
+                 transpose: Callable[..., Tensor] | None, workspace: Workspace, is_first: bool = False,
+                 input_nonnegative: bool = False):
         super().__init__(kind, func, args, kwargs, name, module_name)
         self.evaluate = evaluate
         self.workspace = workspace
-        self.is_first = False
+        self.is_first = is_first
         #: whether the input is known to be >= 0 (a ReLU's output), so that rules need not check its sign
-        self.input_nonnegative = False
+        self.input_nonnegative = input_nonnegative
         self._weight, self._bias = weight, bias
         self._channel_dim = channel_dim  # weight dimension that indexes output channels
         self._transpose = transpose
@@ -555,12 +608,12 @@ class ParametricCall(OpCall):
 
     def input_channel_axis(self, x: Tensor) -> int:
         """The axis of ``x`` (an input of the op) holding its channels: 1 for convolutions, the last for dense ops."""
-        return 1 if self.kind == "conv" else x.dim() - 1
+        return 1 if self.kind == OpKind.CONV else x.dim() - 1
 
     def _output_shape(self, vector: Tensor) -> Tensor:
         """A per-channel vector shaped to broadcast against the output."""
         shape = [1] * self.output_dim
-        shape[1 if self.kind == "conv" else -1] = -1
+        shape[1 if self.kind == OpKind.CONV else -1] = -1
         return vector.reshape(shape)
 
     def bias_term(self) -> Tensor:
@@ -616,14 +669,14 @@ class ParametricCall(OpCall):
         return self._transpose(grad, weight, like)  # type: ignore[misc]  # rules check transposable first
 
     def merge_batch_norm(self, batch_norm: Callable[[Tensor], Tensor], scale: Tensor, shift: Tensor,
-                         output: Tensor) -> "ParametricCall":
+                         output: Tensor, module_name: str) -> "ParametricCall":
         """A copy of this call with ``batch_norm(f(x)) = f(x; scale*W, scale*b + shift)`` merged in.
 
         The merged output is ``batch_norm`` applied to ``output``, this call's
         output, so it stays bitwise the plain model's. On a call that has a
         BatchNorm merged already (``conv -> bn -> bn2``) the two compose:
         ``scale * (scale0 * z + shift0) + shift``. This call stays as it is, for
-        the other ops that read its output.
+        the other ops that read its output. ``module_name`` names the modules of both.
         """
         if self._batch_norm is not None:
             scale0, shift0 = self._batch_norm
@@ -634,6 +687,7 @@ class ParametricCall(OpCall):
         merged._merged_weight = merged._merged_bias = None  # this call's, if it made them already
         merged._prepared = False
         merged.name = f"{self.name}+batch_norm"
+        merged.module_name = module_name
         merged._value = batch_norm(output.detach())
         if self._graph is not None:
             leaves, out = self._graph
@@ -654,7 +708,7 @@ class InPlaceSumCall(OpCall):
 
     def __init__(self, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str, before: Tensor,
                  alpha: float, producer: OpCall | None):
-        super().__init__("sum", func, args, kwargs, name, module_name)
+        super().__init__(OpKind.SUM, func, args, kwargs, name, module_name)
         self.in_place = True
         self.inputs = (before, *self.inputs[1:])
         self._leaves[self._slots[0]] = before  # no alias of x left here: the output may be writable later
@@ -719,9 +773,13 @@ class _Propagate(torch.autograd.Function):
         return (None, *result)
 
 
-def propagate(call: OpCall, rule: Rule) -> Tensor:
-    """Run ``call`` as a relevance node with ``rule``; returns the (bitwise original) output."""
+def propagate(call: OpCall, rule: Rule, audit: Callable | None = None) -> Tensor:
+    """Run ``call`` as a relevance node with ``rule``; returns the (bitwise original) output.
+
+    ``audit`` is called as ``audit(call, relevance, input_relevances)`` after the call propagates.
+    """
     call.rule = rule
+    call.audit = audit
     out = _Propagate.apply(call, *call.activations)
     call.versions = tuple(x._version for x in call.inputs)
     call.output = out.detach()

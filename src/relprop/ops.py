@@ -1,11 +1,12 @@
 """Op families: how each torch function is intercepted (docs/design.md, section 3).
 
 :data:`HANDLERS` maps a torch function (``torch.conv2d``, ``Tensor.add``,
-``F.relu``, ...) to a handler ``(session, func, args, kwargs) -> output``.
-A handler either runs the function as it is (routing ops, whose gradient
-re-routes relevance exactly) or builds an op call for the engine to run with
-a rule. Functions missing from the table are reported by the engine when
-relevance flows through them.
+``F.relu``, ...) to a handler ``(host, func, args, kwargs) -> output``, where
+``host`` is the engine as an :class:`OpHost`. A handler either runs the
+function as it is (routing ops, whose gradient re-routes relevance exactly)
+or builds an op call for the engine to run with a rule. Functions missing
+from the table are reported by the engine when relevance flows through them.
+The table is strict: a name this torch lacks raises at import (:func:`_lookup`).
 """
 from __future__ import annotations
 
@@ -13,23 +14,75 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .graph import InPlaceSumCall, OpCall, ParametricCall, is_activation, substitute, write_into
+from .graph import InPlaceSumCall, OpCall, OpKind, ParametricCall, Workspace, is_activation, substitute, write_into
 from .quantized import QUANTIZED_HANDLERS
 from .recurrent import RECURRENT_HANDLERS
 from .rules import Gradient, Pass, inverse_denominator
+from .tracking import AliasTracker, aliases
 
 if TYPE_CHECKING:
-    from .engine import Session
+    from .rules import Rule
 
-__all__ = ["HANDLERS", "ALWAYS_HANDLED", "aliases", "from_aten", "has_activation", "has_parameter", "op_name"]
+__all__ = ["HANDLERS", "ALWAYS_HANDLED", "OpHost", "ProductCall", "SoftmaxCall", "MaxPoolCall", "AttentionCall",
+           "from_aten", "has_activation", "has_parameter", "op_name"]
 
-Handler = Callable[[Any, Callable, tuple, dict], Any]
+
+class OpHost(Protocol):
+    """What an op handler may use of the engine (:class:`relprop.engine.Session` implements it).
+
+    A handler ``handler(host, func, args, kwargs) -> output`` either runs ``func`` as it is or makes an op call
+    (:meth:`record`, or a call class of its kind) and runs it with a rule (:meth:`run`).
+    """
+
+    #: producers, tags, readers and in-place overwrites of the activations
+    aliases: AliasTracker
+    #: scratch memory the parametric op calls share
+    workspace: Workspace
+    #: tap output -> its record (a BatchNorm merged across a tap keeps it)
+    tapped: Any
+
+    @property
+    def module_name(self) -> str:
+        """The dotted path of the module that issues the op."""
+
+    def record(self, kind: OpKind, func: Callable, args: tuple, kwargs: dict,
+               linearised: Callable | None = None) -> OpCall:
+        """An op call of ``kind``, issued by the current module."""
+
+    def run(self, call: OpCall, rule: Rule | None = None, source: str = ...) -> Any:
+        """Run ``call`` as a relevance node with its rule (``rule``, or the composite's choice)."""
+
+    def rule_for(self, call: OpCall) -> tuple[Rule | None, str]:
+        """The composite's rule for ``call``, and where it came from."""
+
+    def module_rule(self) -> Rule | None:
+        """The rule set on the current module as ``module.rule``, if any."""
+
+    def unknown(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """An op without a rule: its plain gradient, reported if relevance flows through it."""
+
+    def fed_by_input(self, x: Tensor) -> bool:
+        """Whether ``x`` comes from a model input through routing ops only."""
+
+    def token_embedding(self, ids: Any, vectors: Tensor) -> Tensor:
+        """Embedded vectors of an integer model input, as leaves that collect its tokens' relevance."""
+
+    def tap(self, value: Any, record: Any) -> Any:
+        """``value`` behind a tap node that hands the relevance reaching it to ``record``."""
+
+    def __enter__(self) -> Any:
+        """Back in the mode, inside a handler: the ops of a decomposition get their rules."""
+
+    def __exit__(self, *exc: Any) -> Any: ...
+
+
+Handler = Callable[[OpHost, Callable, tuple, dict], Any]
 
 
 def op_name(func: Callable) -> str:
@@ -105,17 +158,14 @@ def _bind(func: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- routing
 
-def _run(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _run(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Routing ops and constants: the plain gradient re-routes relevance exactly.
 
     A tag of the first argument (gate, attention weights) carries over: a
     reshaped or cast gate is still a gate.
     """
     out = func(*args, **kwargs)
-    if args and isinstance(args[0], Tensor) and (tag := session.tags.get(args[0])) is not None:
-        _tag(session, out, tag)
-    if session.zeroed:  # entries an in-place ReLU set to 0 keep their meaning wherever they are routed
-        session.carry_zeros(session.zeroed_in((*args, *kwargs.values())), out)
+    session.aliases.routed(args, kwargs, out)
     return out
 
 
@@ -123,7 +173,7 @@ def _run(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
 _ROUTES = Gradient()
 
 
-def _combine(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _combine(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """``cat``, ``stack``, ``where``: routing, but as a node with its rule where constant tensors are mixed in.
 
     The relevance of a learned token concatenated to the activations (a
@@ -133,37 +183,27 @@ def _combine(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any
     """
     tensors = [value for value in (*args, *kwargs.values()) for value in
                (value if isinstance(value, (list, tuple)) else (value,)) if isinstance(value, Tensor)]
-    tags = {session.tags.get(t) for t in tensors if is_activation(t)}
+    tags = {session.aliases.tag(t) for t in tensors if is_activation(t)}
     if all(is_activation(t) or t.dtype == torch.bool for t in tensors):
         out = _run(session, func, args, kwargs)
     else:
-        out = session.run(OpCall("sum", func, args, kwargs, op_name(func), session.module_name), _ROUTES,
+        out = session.run(session.record(OpKind.SUM, func, args, kwargs), _ROUTES,
                           "routing with constants")
     if len(tags) == 1 and (tag := tags.pop()) is not None:
-        _tag(session, out, tag)
+        session.aliases.set_tag(out, tag)
     return out
 
 
-def _tag(session: Session, out: Any, tag: str) -> None:
-    """Tag ``out`` (a tensor, or the tensors of a ``chunk``/``split`` result) with ``tag``."""
-    if isinstance(out, Tensor):
-        if out.requires_grad:
-            session.tags[out] = tag
-    elif isinstance(out, (tuple, list)):  # named tuples too: topk's values stay gates (a MoE router's weights)
-        for value in out:
-            _tag(session, value, tag)
-
-
-def _run_in_place(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _run_in_place(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """In-place routing (``x[i] = v``, ``masked_fill_``): first keep what rules saved of the target."""
-    session.protect(args[0])
+    session.aliases.protect(args[0])
     out = func(*args, **kwargs)
     if isinstance(args[0], Tensor):
-        session.overwritten(args[0])
+        session.aliases.overwritten(args[0])
     return out
 
 
-def _scatter_reduce(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _scatter_reduce(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """``scatter_reduce``: a sum for ``"sum"`` and ``"mean"``, winner-take-all (routing) for ``"amax"``/``"amin"``."""
     reduce = _bind_builtin(("input", "dim", "index", "src", "reduce"), args, kwargs).get("reduce")
     if reduce in ("sum", "mean"):
@@ -175,7 +215,7 @@ def _scatter_reduce(session: Session, func: Callable, args: tuple, kwargs: dict)
 
 def _index_put(routing: Handler) -> Handler:
     """``index_put``: routing, unless it adds the values to the entries (``accumulate=True``): then a sum."""
-    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
         if not _bind_builtin(("input", "indices", "values", "accumulate"), args, kwargs).get("accumulate", False):
             return routing(session, func, args, kwargs)
         if routing is _run:
@@ -186,46 +226,22 @@ def _index_put(routing: Handler) -> Handler:
 
 # ---------------------------------------------------------------- in place
 
-def _protect_before(session: Session, func: Callable, target: Tensor) -> None:
-    """Let the op that produced ``target`` keep what it needs before ``func`` overwrites it in place.
-
-    An in-place ReLU needs nothing kept: it changes only entries it sets to 0,
-    and relevance there is 0 where the ops that read them give relevance in
-    proportion to their inputs' values, so the producer may read ``relu(z)``
-    for ``z`` later. This saves one copy of every activation a ReLU
-    overwrites. Where a later op may give relevance to those entries, the
-    producer computes ``z`` again (``Session.follow_zeros``).
-    """
-    if func not in _KEEPS_NONZERO:
-        session.protect(target)
-    else:
-        session.before_write(target)
-
-
-def _in_place_pass(session: Session, func: Callable, args: tuple, kwargs: dict, handler: Handler) -> Tensor | None:
+def _in_place_pass(session: OpHost, func: Callable, args: tuple, kwargs: dict, handler: Handler) -> Tensor | None:
     """Run an elementwise in-place op as it is, when its rule passes relevance through; else None.
 
     The rule then reads nothing but the input's shape, so the op may overwrite
     its input as in the plain model: no new tensor, no copy back. This is the
     in-place ReLU of most CNNs. The output gets the tag ``handler`` would give it.
     """
-    call = OpCall("elementwise", func, args, kwargs, op_name(func), session.module_name)
+    call = session.record(OpKind.ELEMENTWISE, func, args, kwargs)
     rule, source = session.rule_for(call)
     if len(call.inputs) != 1 or type(rule) is not Pass:
         return None
-    call.in_place = True
-    target = call.activations[0]
-    call.overwrites = session.producers.get(target)
-    zeroes = call.overwrites is not None and func in _KEEPS_NONZERO and aliases(call.overwrites.output, target)
-    if zeroes:
-        call.overwrites.output_nonnegative = True
+    zeroed = session.aliases.in_place_relu(call)
     out = session.run(call, rule, source)
-    if zeroes:
-        session.zeroed[out] = (*session.zeroed.get(out, ()), call.overwrites)
-    if (tag := getattr(handler, "tag", None)) is not None:
-        session.tags[out] = tag
-    else:
-        session.tags.pop(out, None)
+    if zeroed is not None:
+        session.aliases.zeroed_by(out, zeroed)
+    session.aliases.set_tag(out, getattr(handler, "tag", None))
     return out
 
 
@@ -238,28 +254,22 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
     ignore the result. Other arguments that share the target's memory
     (``x.add_(x)``) would change with it: the rule reads copies of them.
     """
-    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
         target = args[0]
         if keeps_input:  # one copy serves this op's rule and the target's producer
             source = target.clone()
-            session.protect(target, copy=source)
-            if (tag := session.tags.get(target)) is not None:  # `weights /= weights.sum()` keeps a gate a gate
-                session.tags[source] = tag
+            session.aliases.protect(target, copy=source)
+            if (tag := session.aliases.tag(target)) is not None:  # `weights /= weights.sum()` keeps a gate a gate
+                session.aliases.set_tag(source, tag)
             args = tuple(source if a is target else a.clone() if aliases(a, target) else a for a in args)
             kwargs = {key: a.clone() if aliases(a, target) else a for key, a in kwargs.items()}
         else:
-            _protect_before(session, func, target)
+            session.aliases.before_in_place(func, target)
             if (out := _in_place_pass(session, func, args, kwargs, handler)) is not None:
                 return out
         result = handler(session, out_of_place, args, kwargs)
-        return session.overwritten(write_into(target, result), result)
+        return session.aliases.overwritten(write_into(target, result), result)
     return handle
-
-
-def aliases(value: Any, target: Tensor) -> bool:
-    """Whether ``value`` is a tensor in ``target``'s memory (``target`` itself, or a view of it)."""
-    # not by their storage objects: made once, one lives as long as the memory (see graph._storage_count)
-    return isinstance(value, Tensor) and torch._C._is_alias_of(value, target)  # type: ignore[attr-defined]
 
 
 def _in_place_sum(out_of_place: Callable, sign: int) -> Handler:
@@ -273,7 +283,7 @@ def _in_place_sum(out_of_place: Callable, sign: int) -> Handler:
     """
     general = _in_place(out_of_place, _sum)
 
-    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
         bound = _bind_builtin(("input", "other"), args, kwargs)
         target, other = bound.get("input"), bound.get("other")
         if not (is_activation(target) and target._base is None and isinstance(other, Tensor)
@@ -281,18 +291,18 @@ def _in_place_sum(out_of_place: Callable, sign: int) -> Handler:
                 and not aliases(other, target)):
             return general(session, func, args, kwargs)
         before = target.detach().clone()
-        session.protect(target, copy=before)
+        session.aliases.protect(target, copy=before)
         call = InPlaceSumCall(func, args, kwargs, op_name(func), session.module_name, before,
-                              sign * bound.get("alpha", 1), session.producers.get(target))
+                              sign * bound.get("alpha", 1), session.aliases.producer(target))
         out = session.run(call)
-        session.tags.pop(out, None)
+        session.aliases.set_tag(out, None)
         return out
     return handle
 
 
 def _with_inplace_flag(handler: Handler) -> Handler:
     """Functional ops with an ``inplace=`` argument (``F.relu(x, inplace=True)``)."""
-    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
         bound = _bind(func, args, kwargs)
         if not bound.get("inplace", False):
             return handler(session, func, args, kwargs)
@@ -300,11 +310,11 @@ def _with_inplace_flag(handler: Handler) -> Handler:
         target = next(iter(bound.values()))
         if not is_activation(target):
             return func(*args, **kwargs)
-        _protect_before(session, func, target)  # elementwise rules keep nothing of their input: no copy
+        session.aliases.before_in_place(func, target)  # elementwise rules keep nothing of their input: no copy
         if (out := _in_place_pass(session, func, args, kwargs, handler)) is not None:
             return out
         result = handler(session, func, (), bound)
-        return session.overwritten(write_into(target, result), result)
+        return session.aliases.overwritten(write_into(target, result), result)
     return handle
 
 
@@ -337,11 +347,11 @@ def _conv_vjp(x: Tensor, weight: Tensor, options: dict, transposed: bool) -> Cal
     return transpose
 
 
-def _parametric(kind: str, names: tuple[str, ...]) -> Handler:
+def _parametric(kind: OpKind, names: tuple[str, ...]) -> Handler:
     """Convolutions and dense layers: ``f(x; weight, bias)``, rule from the composite."""
     transposed = names is _CONV_TRANSPOSE
 
-    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
         bound = _bind_builtin(names, args, kwargs)
         x, original_weight, original_bias = bound.get("input"), bound.get("weight"), bound.get("bias")
         if not is_activation(x):
@@ -356,7 +366,7 @@ def _parametric(kind: str, names: tuple[str, ...]) -> Handler:
         def evaluate(inp: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
             return func(inp, w, b, **options)
 
-        if kind == "dense":
+        if kind == OpKind.DENSE:
             transpose, channel_dim = (lambda grad, w=weight, like=None: grad @ w), 0  # the shape follows from w
         else:
             transpose = _conv_vjp(x.detach(), weight, options, transposed)
@@ -366,23 +376,13 @@ def _parametric(kind: str, names: tuple[str, ...]) -> Handler:
         # the forward value comes from the model's own parameters: some kernels choose by requires_grad
         call = ParametricCall(kind, func, (x, _constant(original_weight), _constant(original_bias)), options,
                               op_name(func), session.module_name, weight, bias, evaluate, channel_dim, transpose,
-                              session.workspace)
-        call.is_first = session.fed_by_input(x)
-        call.input_nonnegative = _relu_output(session, x)
+                              session.workspace, is_first=session.fed_by_input(x),
+                              input_nonnegative=session.aliases.relu_output(x))
         return session.run(call)
     return handle
 
 
-def _relu_output(session: Session, x: Tensor) -> bool:
-    """Whether ``x`` is the output of a ReLU, as it left it: every entry ``>= 0``.
-
-    An op that later overwrites ``x`` in place takes its place as the producer (``Session.overwritten``).
-    """
-    producer = session.producers.get(x)
-    return producer is not None and producer.func in _RELU
-
-
-def _addmm(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _addmm(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """``addmm(bias, x, W)`` with a constant ``W`` (in x out), as Hugging Face's ``Conv1D`` writes a dense layer."""
     bound = _bind_builtin(("input", "mat1", "mat2"), args, kwargs)
     bias, x, weight = bound.get("input"), bound.get("mat1"), bound.get("mat2")
@@ -395,10 +395,9 @@ def _addmm(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
         return inp @ w if b is None else torch.addmm(b, inp, w)
 
     constants = (weight.detach(), bias.detach() if bias is not None else None)  # type: ignore[union-attr]
-    call = ParametricCall("dense", func, (bias, x, weight), {}, op_name(func), session.module_name,
+    call = ParametricCall(OpKind.DENSE, func, (bias, x, weight), {}, op_name(func), session.module_name,
                           *constants, evaluate, 1, lambda grad, w=constants[0], like=None: grad @ w.T,
-                          session.workspace)
-    call.is_first = session.fed_by_input(x)
+                          session.workspace, is_first=session.fed_by_input(x))
     return session.run(call)
 
 
@@ -424,7 +423,7 @@ def _decomposed(names: tuple[str, ...], decompose: Callable[..., Tensor]) -> Han
     rule as if the model had written it out. ``names`` name the op's
     positional arguments.
     """
-    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
         with torch.no_grad():
             out = func(*args, **kwargs)
         with session:  # back in the mode: each op of the decomposition gets its rule
@@ -461,21 +460,21 @@ _ADD_PRODUCTS: dict[str, Handler] = {
 }
 
 
-def _norm(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _norm(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """A vector norm: positively homogeneous of degree 1, so ``x * grad ||x||`` sums to ``||x||``.
 
     The epsilon rule on it (kind ``"sum"``) therefore conserves: ``R_i = R |x_i|^p / ||x||_p^p``. Its
     output is a statistic: in a product (ConvNeXt-V2's ``x * (gx / gx.mean())``) it takes no relevance.
     """
-    call = OpCall("sum", func, args, kwargs, op_name(func), session.module_name)
+    call = session.record(OpKind.SUM, func, args, kwargs)
     if len(call.inputs) != 1:
         return session.unknown(func, args, kwargs)
     out = session.run(call)
-    _tag(session, out, "statistic")
+    session.aliases.set_tag(out, "statistic")
     return out
 
 
-def _grid_sample(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _grid_sample(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Sampling the input at grid positions: a weighted sum of its pixels, shared like an interpolation.
 
     The grid says where to look: like a gate, it takes no relevance, also where a network computes it
@@ -490,20 +489,17 @@ def _grid_sample(session: Session, func: Callable, args: tuple, kwargs: dict) ->
 
 # ---------------------------------------------------------------- batch norm
 
-def _batch_norm(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _batch_norm(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """BatchNorm: merged into the conv/dense op that produced its input, else an affine map."""
     bound = _bind(F.batch_norm, args, kwargs)
     x = bound["input"]
     if not is_activation(x):
         return func(*args, **kwargs)
-    producer = session.producers.get(x)
+    producer = session.aliases.producer(x)
     mean, var = bound["running_mean"], bound["running_var"]
-    mergeable = (
-        isinstance(producer, ParametricCall) and producer._channel_dim is not None
-        and not bound["training"] and mean is not None and session.module_rule() is None
-    )
-    if not mergeable:
-        return session.run(OpCall("batchnorm", func, args, kwargs, op_name(func), session.module_name))
+    if (not isinstance(producer, ParametricCall) or producer._channel_dim is None
+            or bound["training"] or mean is None or session.module_rule() is not None):
+        return session.run(session.record(OpKind.BATCHNORM, func, args, kwargs))
     weight = bound["weight"] if bound["weight"] is not None else torch.ones_like(var)
     bias = bound["bias"] if bound["bias"] is not None else torch.zeros_like(mean)
     scale = weight / torch.sqrt(var + bound["eps"])
@@ -512,9 +508,8 @@ def _batch_norm(session: Session, func: Callable, args: tuple, kwargs: dict) -> 
     def batch_norm(z: Tensor) -> Tensor:
         return func(z, mean, var, bound["weight"], bound["bias"], False, bound["momentum"], bound["eps"])
 
-    merged = producer.merge_batch_norm(batch_norm, scale, shift, x)
     # both modules in the name, so that every merge shows in messages and in the audit
-    merged.module_name = f"{producer.module_name}+{session.module_name}"
+    merged = producer.merge_batch_norm(batch_norm, scale, shift, x, f"{producer.module_name}+{session.module_name}")
     out = session.run(merged, rule=producer.rule)
     record = session.tapped.get(x)
     # a tap between the layer and its BatchNorm moves behind the merged pair: there the relevance arrives
@@ -523,25 +518,25 @@ def _batch_norm(session: Session, func: Callable, args: tuple, kwargs: dict) -> 
 
 # ---------------------------------------------------------------- linear, parameter-free
 
-def _linear(kind: str, linearised: Callable | None = None) -> Handler:
+def _linear(kind: OpKind, linearised: Callable | None = None) -> Handler:
     """Sums, means, average pooling, interpolation, normalisation: linear in their activations."""
-    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
-        return session.run(OpCall(kind, func, args, kwargs, op_name(func), session.module_name, linearised))
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+        return session.run(session.record(kind, func, args, kwargs, linearised))
     return handle
 
 
-def _sum(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _sum(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Sums, means, average pooling, interpolation: linear, shared by contributions (kind ``"sum"``).
 
     With one activation, the output keeps its tag: a gate shifted, resampled
     or summed is still a gate (``1 - sigmoid(g)`` in ConViT's gated attention,
     GhostNetV3's ``x * interpolate(sigmoid(r))``).
     """
-    call = OpCall("sum", func, args, kwargs, op_name(func), session.module_name)
-    tag = session.tags.get(call.activations[0]) if len(call.inputs) == 1 else None
+    call = session.record(OpKind.SUM, func, args, kwargs)
+    tag = session.aliases.tag(call.activations[0]) if len(call.inputs) == 1 else None
     out = session.run(call)
     if tag is not None:
-        _tag(session, out, tag)
+        session.aliases.set_tag(out, tag)
     return out
 
 
@@ -588,13 +583,13 @@ def _elementwise(tag: str | None = None) -> Handler:
     ``"sigmoid"`` (a gate), ``"activation"`` (gated MLPs: a gate for CP-LRP)
     or ``"statistic"`` (``rsqrt`` of a variance: a constant scaling).
     """
-    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
-        call = OpCall("elementwise", func, args, kwargs, op_name(func), session.module_name)
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+        call = session.record(OpKind.ELEMENTWISE, func, args, kwargs)
         if len(call.inputs) != 1:
             return session.unknown(func, args, kwargs)
         out = session.run(call)
         if tag is not None:
-            session.tags[out] = tag
+            session.aliases.set_tag(out, tag)
         return out
     handle.tag = tag  # type: ignore[attr-defined]
     return handle
@@ -610,27 +605,46 @@ def _product(matrix: bool, divide: bool = False) -> Handler:
     rule). Two factors: the composite decides (uniform split, or the signal
     takes all where one factor is a gate; a divisor counts as a gate).
     """
-    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
-        call = OpCall("product", func, args, kwargs, op_name(func), session.module_name)
-        call.matrix = matrix
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+        call = ProductCall(func, args, kwargs, session.module_name, matrix, divide, session.aliases.tag)
         if len(call.inputs) > 2 and not matrix:  # (an einsum of k factors is split k ways)
             return session.unknown(func, args, kwargs)
-        scaled = None  # the tag of an activation scaled by constants: the product keeps it (a scaled gate)
-        if len(call.inputs) == 1 and matrix:
-            call.kind = "sum"
-        elif divide:  # the divisor (the second argument) is a constant scaling of the numerator
-            call.factors = tuple("divisor" if a is args[1] else None for a in call.activations)
-            if call.factors[0] is None:  # a tagged numerator keeps its tag: a renormalised gate is a gate
-                scaled = session.tags.get(call.activations[0])
-        else:
-            call.factors = tuple(session.tags.get(a) for a in call.activations)
-            if len(call.inputs) == 1 and not _gates_a_constant(call.factors[0], args):
-                scaled, call.factors = call.factors[0], (None,)  # relevance passes
         out = session.run(call)
-        if scaled is not None:
-            session.tags[out] = scaled
+        if call.scaled is not None:
+            session.aliases.set_tag(out, call.scaled)
         return out
     return handle
+
+
+class ProductCall(OpCall):
+    """A product of activations, a division or a matrix product, with what each activation factor is.
+
+    Parameters
+    ----------
+    matrix : bool
+        A matrix product: with one activation factor it is a linear map (kind ``sum``).
+    divide : bool
+        A division: the divisor (the second argument) is a constant scaling of the numerator.
+    tag_of : callable
+        The tag of an activation (what produced it: ``"sigmoid"``, ``"softmax"``, ...), None if it has none.
+    """
+
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, module_name: str, matrix: bool, divide: bool,
+                 tag_of: Callable[[Tensor], str | None]) -> None:
+        super().__init__(OpKind.PRODUCT, func, args, kwargs, op_name(func), module_name)
+        self.matrix = matrix
+        #: the tag of an activation scaled by constants: the product's output keeps it (a scaled gate is a gate)
+        self.scaled: str | None = None
+        if len(self.inputs) == 1 and matrix:
+            self.kind = OpKind.SUM
+        elif divide:
+            self.factors = tuple("divisor" if a is args[1] else None for a in self.activations)
+            if self.factors[0] is None:  # a tagged numerator keeps its tag: a renormalised gate is a gate
+                self.scaled = tag_of(self.activations[0])
+        else:
+            self.factors = tuple(tag_of(a) for a in self.activations)
+            if len(self.inputs) == 1 and not _gates_a_constant(self.factors[0], args):
+                self.scaled, self.factors = self.factors[0], (None,)  # relevance passes
 
 
 #: gates whose product with a constant tensor gives the relevance to that constant (GRU's ``r * b_hn`` at the
@@ -653,16 +667,25 @@ def _gates_a_constant(tag: str | None, args: tuple) -> bool:
 
 def _softmax(names: tuple[str, ...] | None) -> Handler:
     """Softmax inside the model; its output is tagged, so that CP-LRP can hold attention weights constant."""
-    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
         bound = _bind(func, args, kwargs) if names is None else _bind_builtin(names, args, kwargs)
-        call = OpCall("softmax", func, args, kwargs, op_name(func), session.module_name)
-        if len(call.inputs) != 1 or bound.get("dim") is None:
+        if bound.get("dim") is None:
             return session.unknown(func, args, kwargs)
-        call.dim = bound["dim"]
+        call = SoftmaxCall(func, args, kwargs, session.module_name, bound["dim"])
+        if len(call.inputs) != 1:
+            return session.unknown(func, args, kwargs)
         out = session.run(call)
-        session.tags[out] = "softmax"
+        session.aliases.set_tag(out, "softmax")
         return out
     return handle
+
+
+class SoftmaxCall(OpCall):
+    """A softmax along ``dim``."""
+
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, module_name: str, dim: int) -> None:
+        super().__init__(OpKind.SOFTMAX, func, args, kwargs, op_name(func), module_name)
+        self.dim = dim
 
 
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -678,7 +701,7 @@ class AttentionCall(OpCall):
     """
 
     def __init__(self, func: Callable, args: tuple, kwargs: dict, module_name: str) -> None:
-        super().__init__("attention", func, args, kwargs, op_name(func), module_name)
+        super().__init__(OpKind.ATTENTION, func, args, kwargs, op_name(func), module_name)
         bound = _bind_builtin(_SDPA, args, kwargs)
         self._parts = {key: _constant(bound.get(key)) for key in _SDPA}
         # a float mask computed from activations (SAM's decomposed relative positions) is a score term too
@@ -723,11 +746,11 @@ class AttentionCall(OpCall):
         return tuple(found.get(role) for role in self._roles)
 
 
-def _attention(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _attention(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     return session.run(AttentionCall(func, args, kwargs, session.module_name))
 
 
-def _multi_head_attention(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _multi_head_attention(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """``nn.MultiheadAttention``: the native output, relevance through its decomposition into rule-bearing ops."""
     bound = _bind(func, args, kwargs)
     if (bound["bias_k"] is not None or bound["add_zero_attn"]
@@ -772,7 +795,7 @@ def _decomposed_attention(query: Tensor, key: Tensor, value: Tensor, embed_dim_t
 
 # ---------------------------------------------------------------- embeddings
 
-def _embedding(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _embedding(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """A lookup of the model's integer input: its vectors collect the relevance of those tokens."""
     bound = _bind(func, args, kwargs)
     if is_activation(bound["weight"]):
@@ -789,14 +812,21 @@ def _max_pool(signature: Callable, average: Callable[[dict], Callable[[Tensor], 
 
     ``signature`` is the plain function behind ``F.max_pool2d``'s dispatch, to bind arguments by name.
     """
-    def handle(session: Session, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
         bound = _bind(signature, args, kwargs)
         if bound.get("return_indices"):
             return func(*args, **kwargs)
-        call = OpCall("maxpool", func, args, kwargs, op_name(func), session.module_name)
-        call.average = average(bound)
-        return session.run(call)
+        return session.run(MaxPoolCall(func, args, kwargs, session.module_name, average(bound)))
     return handle
+
+
+class MaxPoolCall(OpCall):
+    """Max pooling, with the average pooling over the same windows (for proportional rules)."""
+
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, module_name: str,
+                 average: Callable[[Tensor], Tensor]) -> None:
+        super().__init__(OpKind.MAXPOOL, func, args, kwargs, op_name(func), module_name)
+        self.average = average
 
 
 def _window_average(pool: Callable) -> Callable[[dict], Callable[[Tensor], Tensor]]:
@@ -817,8 +847,40 @@ def _adaptive_average(pool: Callable) -> Callable[[dict], Callable[[Tensor], Ten
 
 # ---------------------------------------------------------------- the table
 
+_T, _nn = torch.Tensor, torch._C._nn
+#: how messages name the namespaces that ops are registered from
+_NAMESPACES = {id(torch): "torch", id(_T): "Tensor", id(F): "torch.nn.functional", id(_nn): "torch._C._nn",
+               id(torch.linalg): "torch.linalg"}
+#: names that exist only in some of the torch versions relprop supports: registered where they exist. Any other
+#: name this torch lacks is a mistake in the table and raises at import
+_OPTIONAL = frozenset({
+    "torch._grouped_mm",  # added in torch 2.8 (mixture-of-experts kernels)
+})
+
+
 def _lookup(namespace: Any, names: str) -> list[Callable]:
-    return [getattr(namespace, name) for name in names.split() if hasattr(namespace, name)]
+    """The functions ``names`` (space-separated) of ``namespace``.
+
+    Raises
+    ------
+    AttributeError
+        For a name this torch does not have, unless :data:`_OPTIONAL` lists it: a typo registers nothing otherwise.
+    """
+    found = []
+    for name in names.split():
+        func = getattr(namespace, name, None)
+        if func is not None:
+            found.append(func)
+        elif f"{_NAMESPACES[id(namespace)]}.{name}" not in _OPTIONAL:
+            raise AttributeError(f"relprop: the op table registers {_NAMESPACES[id(namespace)]}.{name}, which torch "
+                                 f"{torch.__version__} does not have (list it in ops._OPTIONAL if only some torch "
+                                 "versions have it)")
+    return found
+
+
+def _torch_and_tensor(names: str) -> list[Callable]:
+    """``torch.name`` and ``Tensor.name`` for each of ``names``: the two namespaces of most tensor ops."""
+    return _lookup(torch, names) + _lookup(_T, names)
 
 
 HANDLERS: dict[Callable, Handler] = {}
@@ -830,119 +892,109 @@ def _register(handler: Handler, *funcs_lists: list[Callable]) -> None:
             HANDLERS[func] = handler
 
 
-_T, _nn = torch.Tensor, torch._C._nn
-_ROUTING = (
-    "reshape flatten unflatten permute transpose swapaxes swapdims t squeeze unsqueeze "
-    "split chunk tensor_split narrow select index_select gather take_along_dim movedim "
-    "moveaxis unbind roll flip fliplr flipud rot90 masked_select masked_fill broadcast_to tile repeat_interleave "
-    "diagonal tril triu max min amax amin maximum minimum fmax fmin sort topk kthvalue median clone detach "
-    "constant_pad_nd dropout alpha_dropout feature_alpha_dropout feature_dropout channel_shuffle pixel_shuffle "
-    "pixel_unshuffle split_with_sizes ravel atleast_1d atleast_2d atleast_3d _pack_padded_sequence "
-    "_pad_packed_sequence"
-)
+# each list below names torch and Tensor functions once; functions of one namespace only are listed apart
 _register(
     _run,
-    _lookup(torch, _ROUTING),
-    _lookup(_T, _ROUTING + " view view_as reshape_as expand expand_as repeat contiguous to float double half "
-                "bfloat16 type type_as cpu cuda __getitem__ unfold as_strided"),
+    _torch_and_tensor(
+        "reshape flatten unflatten permute transpose swapaxes swapdims t squeeze unsqueeze split chunk tensor_split "
+        "narrow select index_select gather take_along_dim movedim moveaxis unbind roll flip fliplr flipud rot90 "
+        "masked_select masked_fill broadcast_to tile repeat_interleave diagonal tril triu max min amax amin maximum "
+        "minimum fmax fmin sort topk kthvalue median clone detach split_with_sizes ravel"),
+    _lookup(torch, "constant_pad_nd dropout alpha_dropout feature_alpha_dropout feature_dropout channel_shuffle "
+                   "pixel_shuffle pixel_unshuffle atleast_1d atleast_2d atleast_3d _pack_padded_sequence "
+                   "_pad_packed_sequence"),
+    _lookup(_T, "view view_as reshape_as expand expand_as repeat contiguous to float double half bfloat16 type "
+                "type_as cpu cuda __getitem__ unfold as_strided"),
     _lookup(F, "pad dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout pixel_shuffle "
                "pixel_unshuffle channel_shuffle unfold max_pool1d_with_indices "
                "max_pool2d_with_indices max_pool3d_with_indices"),
     [_T.T.__get__, _T.mT.__get__, _T.data.__get__],  # type: ignore[attr-defined]
 )
-_COMBINING = "cat concat concatenate stack hstack vstack dstack where scatter index_copy masked_scatter"
-_register(_combine, _lookup(torch, _COMBINING), _lookup(_T, _COMBINING))
+_register(_combine, _torch_and_tensor("where scatter index_copy masked_scatter"),
+          _lookup(torch, "cat concat concatenate stack hstack vstack dstack"))
 # metadata, comparisons and other outputs without a gradient: nothing to propagate
-_NO_RELEVANCE = ("dim ndimension size numel nelement element_size stride storage_offset is_contiguous "
-                 "is_floating_point is_complex __len__ __bool__ __index__ __int__ __float__ item tolist eq ne gt lt "
-                 "ge le __eq__ __ne__ __gt__ __lt__ __ge__ __le__ argmax argmin argsort isfinite isnan isinf any all "
-                 "nonzero count_nonzero __format__ __repr__ data_ptr get_device equal")
-_register(_run, _lookup(torch, _NO_RELEVANCE), _lookup(_T, _NO_RELEVANCE),
-          [getattr(_T, name).__get__ for name in "shape dtype device ndim requires_grad is_cuda layout grad_fn".split()
-           if hasattr(getattr(_T, name, None), "__get__")])
+_register(_run, _torch_and_tensor("numel is_floating_point is_complex eq ne gt lt ge le argmax argmin argsort "
+                                  "isfinite isnan isinf any all nonzero count_nonzero equal get_device"),
+          _lookup(_T, "dim ndimension size nelement element_size stride storage_offset is_contiguous __len__ __bool__ "
+                      "__index__ __int__ __float__ item tolist __eq__ __ne__ __gt__ __lt__ __ge__ __le__ __format__ "
+                      "__repr__ data_ptr"),
+          [getattr(_T, name).__get__ for name in "shape dtype device ndim requires_grad is_cuda layout grad_fn".split()])
 _register(_run_in_place, _lookup(_T, "__setitem__ masked_fill_ copy_ zero_ fill_ index_copy_ index_fill_ scatter_ "
                                      "masked_scatter_"))
 
-_register(_parametric("conv", _CONV), _lookup(torch, "conv1d conv2d conv3d"))
-_register(_parametric("conv", _CONV_TRANSPOSE), _lookup(torch, "conv_transpose1d conv_transpose2d conv_transpose3d"))
-_register(_parametric("dense", _LINEAR), [F.linear])
+_register(_parametric(OpKind.CONV, _CONV), _lookup(torch, "conv1d conv2d conv3d"))
+_register(_parametric(OpKind.CONV, _CONV_TRANSPOSE), _lookup(torch, "conv_transpose1d conv_transpose2d conv_transpose3d"))
+_register(_parametric(OpKind.DENSE, _LINEAR), [F.linear])
 _register(_addmm, [torch.addmm, _T.addmm])
 _register(_batch_norm, [F.batch_norm])
 
-_SUMS = "add sub rsub sum mean nansum cumsum __radd__ __rsub__"
 # F.fold adds overlapping patches: a sum (its gradient would copy each pixel's relevance to every patch)
-_register(_sum, _lookup(torch, _SUMS), _lookup(_T, _SUMS), [F.fold])
+_register(_sum, _torch_and_tensor("add sub sum mean nansum cumsum"), _lookup(torch, "rsub"),
+          _lookup(_T, "__radd__ __rsub__"), [F.fold])
 _register(_sum, _lookup(torch, "avg_pool1d"), _lookup(_nn, "avg_pool2d avg_pool3d"),
           _lookup(F, "adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d interpolate upsample "
                      "upsample_bilinear upsample_nearest"))
 # sums into entries chosen by an index (a mixture of experts adding each expert's output to its tokens' rows)
-_ACCUMULATE = "index_add scatter_add"
-_register(_sum, _lookup(torch, _ACCUMULATE), _lookup(_T, _ACCUMULATE))
+_register(_sum, _torch_and_tensor("index_add scatter_add"))
 _register(_in_place(_T.index_add, _sum), _lookup(_T, "index_add_"))
 _register(_in_place(_T.scatter_add, _sum), _lookup(_T, "scatter_add_"))
-_register(_index_put(_run), _lookup(torch, "index_put"), _lookup(_T, "index_put"))
-_register(_scatter_reduce, _lookup(torch, "scatter_reduce"), _lookup(_T, "scatter_reduce"))
+_register(_index_put(_run), _torch_and_tensor("index_put"))
+_register(_scatter_reduce, _torch_and_tensor("scatter_reduce"))
 _register(_index_put(_run_in_place), _lookup(_T, "index_put_"))
 _register(_in_place_sum(_T.add, 1), _lookup(_T, "add_ __iadd__"))
 _register(_in_place_sum(_T.sub, -1), _lookup(_T, "sub_ __isub__"))
 
-_register(_linear("norm", _layer_norm), [F.layer_norm])
-_register(_linear("norm", _group_norm), [F.group_norm])
-if hasattr(F, "rms_norm"):
-    _register(_linear("norm", _rms_norm), [F.rms_norm])
+_register(_linear(OpKind.NORM, _layer_norm), [F.layer_norm])
+_register(_linear(OpKind.NORM, _group_norm), [F.group_norm])
+_register(_linear(OpKind.NORM, _rms_norm), _lookup(F, "rms_norm"))
 
-_ELEMENTWISE = ("expm1 log log1p log2 sqrt abs neg negative square reciprocal pow clamp clip "
-                "sin cos erf __neg__ __pow__ __abs__")
-_ACTIVATIONS = "relu tanh"
 _elementwise_pass = _elementwise()
 _activation = _elementwise("activation")
-_register(_elementwise_pass, _lookup(torch, _ELEMENTWISE), _lookup(_T, _ELEMENTWISE), _lookup(F, "normalize"))
-_register(_activation, _lookup(torch, _ACTIVATIONS), _lookup(_T, _ACTIVATIONS),
+_register(_elementwise_pass, _torch_and_tensor("expm1 log log1p log2 sqrt abs neg negative square reciprocal pow "
+                                                "clamp clip sin cos erf"),
+          _lookup(_T, "__neg__ __pow__ __abs__"), _lookup(F, "normalize"))
+_register(_activation, _torch_and_tensor("relu tanh"),
           _lookup(F, "gelu softplus logsigmoid softsign tanhshrink prelu tanh"))
 _register(_with_inplace_flag(_activation),
           _lookup(F, "relu relu6 hardtanh leaky_relu elu selu celu silu mish hardswish rrelu threshold"))
-_register(_elementwise("statistic"), _lookup(torch, "rsqrt"), _lookup(_T, "rsqrt"))
+_register(_elementwise("statistic"), _torch_and_tensor("rsqrt"))
 # an exponential multiplying a signal weighs it (RWKV's stabilised exp-weighted average, a state space model's
 # decay exp(A dt)): relevance carried through exp into a log-domain argument has no reference point
-_register(_elementwise("exp"), _lookup(torch, "exp exp2"), _lookup(_T, "exp exp2"))
-_register(_in_place(_T.exp, _elementwise("exp"), keeps_input=False), _lookup(_T, "exp_"), _lookup(torch, "exp_"))
-_register(_elementwise("sigmoid"), _lookup(torch, "sigmoid"), _lookup(_T, "sigmoid"), [F.sigmoid])
+_register(_elementwise("exp"), _torch_and_tensor("exp exp2"))
+_register(_in_place(_T.exp, _elementwise("exp"), keeps_input=False), _torch_and_tensor("exp_"))
+_register(_elementwise("sigmoid"), _torch_and_tensor("sigmoid"), [F.sigmoid])
 _register(_with_inplace_flag(_elementwise("sigmoid")), [F.hardsigmoid])
 for _name in "relu sqrt rsqrt abs neg reciprocal pow clamp clip tanh".split():
+    # Tensor.pow_ has no torch.pow_
     _register(_in_place(getattr(_T, _name), _elementwise_pass, keeps_input=False),
-              _lookup(_T, f"{_name}_"), _lookup(torch, f"{_name}_"))
-_register(_in_place(_T.sigmoid, _elementwise("sigmoid"), keeps_input=False),
-          _lookup(_T, "sigmoid_"), _lookup(torch, "sigmoid_"))
+              _lookup(_T, f"{_name}_") if _name == "pow" else _torch_and_tensor(f"{_name}_"))
+_register(_in_place(_T.sigmoid, _elementwise("sigmoid"), keeps_input=False), _torch_and_tensor("sigmoid_"))
 for _function in (F.relu, F.elu, F.leaky_relu, F.hardtanh):
     _register(_in_place(_function, _activation, keeps_input=False), _lookup(F, f"{_function.__name__}_"))
 
-_MUL, _DIV, _MATMUL = "mul multiply __rmul__", "div divide true_divide __rdiv__ __rtruediv__ __truediv__", \
-    "matmul mm bmm einsum __matmul__ __rmatmul__"
-_register(_product(matrix=False), _lookup(torch, _MUL), _lookup(_T, _MUL))
-_register(_product(matrix=False, divide=True), _lookup(torch, _DIV), _lookup(_T, _DIV))
-_register(_product(matrix=True), _lookup(torch, _MATMUL), _lookup(_T, _MATMUL))
+_register(_product(matrix=False), _torch_and_tensor("mul multiply"), _lookup(_T, "__rmul__"))
+_register(_product(matrix=False, divide=True), _torch_and_tensor("div divide true_divide"),
+          _lookup(_T, "__rdiv__ __rtruediv__ __truediv__"))
+_register(_product(matrix=True), _torch_and_tensor("matmul mm bmm"), _lookup(torch, "einsum"),
+          _lookup(_T, "__matmul__ __rmatmul__"))
 _register(_in_place(_T.mul, _product(matrix=False)), _lookup(_T, "mul_ __imul__"))
 _register(_in_place(_T.div, _product(matrix=False, divide=True)), _lookup(_T, "div_ __itruediv__"))
 
 for _name, _handler in _ADD_PRODUCTS.items():
     if _name != "addmm":  # a dense layer, unless both factors are activations (`_addmm`)
-        _register(_handler, _lookup(torch, _name), _lookup(_T, _name))
+        _register(_handler, _torch_and_tensor(_name))
     _register(_in_place(getattr(_T, _name), _handler), _lookup(_T, f"{_name}_"))
-_register(_norm, _lookup(torch, "norm"), _lookup(_T, "norm"), _lookup(torch.linalg, "norm vector_norm"))
+_register(_norm, _torch_and_tensor("norm"), _lookup(torch.linalg, "norm vector_norm"))
 _register(_grid_sample, [F.grid_sample])
 _register(_product(matrix=True), _lookup(torch, "_grouped_mm"))
 _register(_softmax(None), [F.softmax])
-_register(_softmax(("input", "dim", "dtype")), _lookup(torch, "softmax"), _lookup(_T, "softmax"))
+_register(_softmax(("input", "dim", "dtype")), _torch_and_tensor("softmax"))
 _register(_attention, [F.scaled_dot_product_attention])
 _register(_multi_head_attention, [F.multi_head_attention_forward])
 _register(_embedding, [F.embedding])
 for _func, _handler in RECURRENT_HANDLERS.items():
     HANDLERS[_func] = _handler
 HANDLERS.update(QUANTIZED_HANDLERS)
-#: in-place ops that leave every nonzero entry as it was (see ``_protect_before``)
-_KEEPS_NONZERO = frozenset(_lookup(F, "relu relu_") + _lookup(torch, "relu_") + _lookup(_T, "relu_"))
-#: ReLUs, in place or not: their outputs are >= 0
-_RELU = _KEEPS_NONZERO | frozenset(_lookup(torch, "relu") + _lookup(_T, "relu"))
 #: handlers that run even without an activation among the arguments (a lookup of integer token ids)
 ALWAYS_HANDLED = frozenset({_embedding})
 

@@ -1,0 +1,118 @@
+"""relprop.engine and the composite's defaults: module context, the kind -> rule table, the record factory."""
+import pytest
+import torch
+from torch import nn
+
+import relprop
+from relprop import rules
+from relprop.composites import Composite
+from relprop.engine import ModuleContext, Session
+from relprop.graph import OpCall, OpKind
+
+
+class NewGELUActivation(nn.Module):  # named as Hugging Face's: run as one op
+    def forward(self, x):
+        return 0.5 * x * (1 + torch.tanh(x))
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(4, 4)
+        self.act = NewGELUActivation()
+
+    def forward(self, x):
+        return self.act(self.dense(x))
+
+
+def test_module_context_follows_nested_forwards_and_activation_modules():
+    model = nn.Sequential(Inner(), nn.Linear(4, 2))
+    context = ModuleContext(model)
+    assert context.module is None and context.module_name == ""
+    context.enter(model)
+    context.enter(model[0])
+    assert context.module is model[0] and context.module_name == "0" and not context.opaque
+    context.enter(model[0].act)
+    assert context.module_name == "0.act" and context.opaque == 1  # its ops are one op
+    assert context.is_innermost(model[0].act) and not context.is_innermost(model[0])
+    assert context.end_opaque()  # the outermost activation module ends: its output becomes the op
+    context.exit()
+    assert not context.end_opaque() and context.module_name == "0"
+    context.exit()
+    context.exit()
+    assert context.module is None and context.module_name == ""
+
+
+def test_each_op_is_recorded_with_the_module_that_issued_it():
+    model = nn.Sequential(Inner(), nn.Linear(4, 2)).eval()
+    seen = []
+    lrp = relprop.LRP(model, "epsilon")
+    recorded = lrp.record(torch.randn(2, 4), audit=lambda call, relevance, result: seen.append(
+        (call.kind, call.module_name)))
+    recorded.relevance(relprop.output_relevance(recorded.logits, target=0))
+    assert set(seen) == {(OpKind.DENSE, "1"), (OpKind.ELEMENTWISE, "0.act"), (OpKind.DENSE, "0.dense")}
+
+
+def test_hooks_and_training_flags_are_undone_when_the_forward_raises():
+    class Failing(nn.Module):
+        def forward(self, x):
+            raise ValueError("broken")
+
+    model = nn.Sequential(nn.Linear(4, 4), Failing()).train()
+    session = Session(model, Composite())
+    with pytest.warns(UserWarning, match="training mode"), pytest.raises(ValueError, match="broken"), \
+            session.active():
+        model(torch.randn(1, 4, requires_grad=True))
+    assert model.training and model[0].training
+    assert not model[0]._forward_pre_hooks and not model[1]._forward_hooks
+    assert session.context.module is None and session.context.module_name == ""
+
+
+def test_record_makes_a_call_of_the_current_module():
+    model = Inner()
+    session = Session(model, Composite())
+    session.context.enter(model)
+    session.context.enter(model.dense)
+    x = torch.randn(2, 4, requires_grad=True)
+    call = session.record(OpKind.SUM, torch.sum, (x,), {"dim": 1})
+    assert (call.kind, call.name, call.module_name) == (OpKind.SUM, "torch.sum", "dense")
+    assert call.inputs[0].data_ptr() == x.data_ptr()
+
+
+def _call(kind, *inputs, factors=()):
+    call = OpCall(kind, torch.mul if kind == OpKind.PRODUCT else torch.tanh, inputs, {}, "op", "")
+    if kind == OpKind.PRODUCT:
+        call.gates = Composite.gates(Composite(), factors)
+    return call
+
+
+def test_every_op_kind_has_a_decided_default():
+    # a new kind must get a row in the table, or be one of the kinds decided apart
+    assert set(OpKind) == set(Composite.DEFAULTS) | {OpKind.PRODUCT, OpKind.MAXPOOL, OpKind.UNKNOWN}
+
+
+def test_defaults_come_from_the_table_and_follow_the_composite_attributes():
+    composite = Composite(epsilon=0.5)
+    x = torch.randn(3, requires_grad=True)
+    assert composite.default(_call(OpKind.CONV, x)) is composite.conv
+    assert composite.default(_call(OpKind.DENSE, x)) is composite.dense
+    for kind in (OpKind.SUM, OpKind.NORM, OpKind.BATCHNORM):
+        rule = composite.default(_call(kind, x))
+        assert isinstance(rule, rules.Epsilon) and rule.epsilon == 0.5
+    assert isinstance(composite.default(_call(OpKind.SOFTMAX, x)), rules.Softmax)
+    assert type(composite.default(_call(OpKind.ELEMENTWISE, x))) is rules.Pass
+    assert composite.default(_call(OpKind.MAXPOOL, x)) is None
+    assert composite.default(_call(OpKind.UNKNOWN, x)) is None
+    composite.dense = rules.ZPlus()  # read at each op
+    assert composite.default(_call(OpKind.DENSE, x)) is composite.dense
+    assert isinstance(relprop.composites.CPLRP().default(_call(OpKind.ATTENTION, x)), rules.SignalTakesAll)
+    assert isinstance(relprop.composites.AttnLRP().default(_call(OpKind.ATTENTION, x)), rules.UniformProduct)
+
+
+def test_products_split_uniformly_give_all_to_the_signal_next_to_a_gate_or_pass():
+    composite = Composite()
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    assert isinstance(composite.default(_call(OpKind.PRODUCT, x, y, factors=(None, None))), rules.UniformProduct)
+    assert isinstance(composite.default(_call(OpKind.PRODUCT, x, y, factors=(None, "sigmoid"))),
+                      rules.SignalTakesAll)
+    assert type(composite.default(_call(OpKind.PRODUCT, x, factors=(None,)))) is rules.Pass

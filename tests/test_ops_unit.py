@@ -1,0 +1,85 @@
+"""relprop.ops: the op registry is strict, each family makes calls of its kind with their fields declared."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from relprop import ops
+from relprop.graph import OpCall, OpKind
+
+
+def test_registering_a_name_this_torch_lacks_raises_and_names_it():
+    with pytest.raises(AttributeError, match=r"torch\.no_such_op, which torch .* does not have"):
+        ops._lookup(torch, "relu no_such_op")
+    with pytest.raises(AttributeError, match=r"Tensor\.cat"):  # torch.cat has no Tensor method
+        ops._torch_and_tensor("cat")
+
+
+def test_names_of_some_torch_versions_only_are_registered_where_they_exist():
+    for name in ops._OPTIONAL:
+        namespace, _, attribute = name.rpartition(".")
+        func = getattr({"torch": torch, "torch.nn.functional": F}[namespace], attribute, None)
+        assert func is None or func in ops.HANDLERS, name
+
+
+def test_every_registered_function_of_torch_and_tensor_exists_once_per_namespace():
+    # the shared lists register both namespaces: an op of both is handled alike in both
+    for func in (torch.reshape, torch.Tensor.reshape, torch.add, torch.Tensor.add, torch.Tensor.__radd__,
+                 torch.rsub, torch.Tensor.pow_, torch.relu_, torch.Tensor.relu_, torch.get_device):
+        assert func in ops.HANDLERS
+    assert ops.HANDLERS[torch.mul] is ops.HANDLERS[torch.Tensor.mul]
+    assert ops.HANDLERS[torch.sigmoid] is ops.HANDLERS[torch.Tensor.sigmoid]
+
+
+def test_op_kinds_are_strings():
+    assert OpKind.CONV == "conv" and OpKind.PRODUCT in frozenset({"product"}) and f"{OpKind.SUM}" == "sum"
+    assert {"maxpool": 1}[OpKind.MAXPOOL] == 1
+
+
+def _activation(*shape):
+    return torch.randn(*shape, requires_grad=True)
+
+
+def test_a_product_declares_its_factors_from_their_tags():
+    x, gate = _activation(2, 3), _activation(2, 3)
+    tags = {id(gate): "sigmoid"}
+    call = ops.ProductCall(torch.mul, (x, gate), {}, "block", False, False, lambda t: tags.get(id(t)))
+    assert call.kind == OpKind.PRODUCT and call.factors == (None, "sigmoid") and not call.matrix
+    assert call.scaled is None and call.module_name == "block" and call.name == "torch.mul"
+
+
+def test_a_division_makes_its_divisor_a_gate_and_keeps_the_numerator_tag():
+    x, y = _activation(2, 3), _activation(2, 3)
+    call = ops.ProductCall(torch.div, (x, y), {}, "", False, True, lambda t: "softmax" if t is x else None)
+    assert call.factors == (None, "divisor") and call.scaled == "softmax"
+
+
+def test_a_matrix_product_with_one_activation_is_a_linear_map():
+    x = _activation(2, 3)
+    call = ops.ProductCall(torch.matmul, (x, torch.randn(3, 4)), {}, "", True, False, lambda t: None)
+    assert call.kind == OpKind.SUM and call.matrix and call.factors == ()
+
+
+def test_an_activation_scaled_by_a_number_passes_and_keeps_its_tag():
+    x = _activation(2, 3)
+    call = ops.ProductCall(torch.mul, (x, 30.0), {}, "", False, False, lambda t: "sigmoid")
+    assert call.factors == (None,) and call.scaled == "sigmoid"
+    gated = ops.ProductCall(torch.mul, (x, torch.randn(2, 3)), {}, "", False, False, lambda t: "sigmoid")
+    assert gated.factors == ("sigmoid",) and gated.scaled is None  # a gate on a constant signal
+
+
+def test_softmax_and_max_pooling_calls_carry_their_fields():
+    x = _activation(1, 1, 4, 4)
+    softmax = ops.SoftmaxCall(torch.softmax, (x, -1), {}, "attn", -1)
+    assert softmax.kind == OpKind.SOFTMAX and softmax.dim == -1
+
+    def average(t):
+        return F.avg_pool2d(t, 2)
+
+    pool = ops.MaxPoolCall(F.max_pool2d, (x, 2), {}, "pool", average)
+    assert pool.kind == OpKind.MAXPOOL and pool.average is average
+
+
+def test_fields_of_other_kinds_have_declared_defaults():
+    call = OpCall(OpKind.ELEMENTWISE, torch.tanh, (_activation(3),), {}, "torch.tanh", "")
+    assert (call.is_first, call.factors, call.gates, call.matrix, call.in_place, call.overwrites) == (
+        False, (), (), False, False, None)
