@@ -225,14 +225,14 @@ def test_zbox_matches_matrix_form(layer_name, bounds, monkeypatch):
     rule = rules.ZBox(low, high, stabilizer=1e-3)
     # bounds the same at every position of a channel are folded into one weight, l W+ + h W-, but not into a
     # grouped convolution's
-    folded, bound_weight = [], rules.ZBox._bound_weight
+    folded, bound_weight = [], relprop.kernels._Box._bound_weight
 
     def recorded(*args):
         weight = bound_weight(*args)
         folded.append(weight is not None)
         return weight
 
-    monkeypatch.setattr(rules.ZBox, "_bound_weight", recorded)
+    monkeypatch.setattr(relprop.kernels._Box, "_bound_weight", recorded)
     R = torch.randn_like(layer(x))
     attributed = relprop.LRP(layer, relprop.Composite(conv=rule, dense=rule)).attribute(x, target=R)
     # (a dense layer's positions are its input channels)
