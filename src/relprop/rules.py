@@ -41,6 +41,7 @@ from .contract import AttentionView, Call, ParametricView, is_attention, is_para
 
 if TYPE_CHECKING:
     from .graph import OpCall
+    from .kernels import Kernel
 
 __all__ = [
     "Rule", "Epsilon", "Norm", "BasicRule", "Term", "Shares", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
@@ -115,7 +116,8 @@ class Rule(Generic[C]):
 
     The flags below tell the engine what to keep for the rule. Each defaults
     to the safe value, so that a rule that sets none is correct; setting one
-    only saves memory or time.
+    only saves memory or time. The exception is :attr:`needs_vjp`, which a
+    rule that calls ``call.vjp`` on calls other than ``conv``/``dense`` sets.
     """
 
     #: op kinds this rule applies to
@@ -184,7 +186,7 @@ class Epsilon(Rule[Call]):
 
     kinds = LINEAR_KINDS
     needs_vjp = True
-    needs_output = False  # prepare() reads it
+    needs_output = False  # propagate() reads only the inverse that prepare() makes of it
     prepares = True
     zero_for_zero_input = True
 
@@ -407,6 +409,11 @@ class BasicRule(Rule[ParametricView]):
         self._kernel = None if zero_bias or reducer is not None else fused(self._terms, gradient_mapper)
         self._needs_output: bool | None = None  # set: the flag as given, instead of as the parts say
         self._zero_for_zero_input: bool | None = None
+
+    @property
+    def kernel(self) -> Kernel | None:
+        """The fused form chosen for these terms (:mod:`relprop.kernels`), or None: the reference form serves."""
+        return self._kernel
 
     @property
     def needs_output(self) -> bool:
