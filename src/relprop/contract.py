@@ -6,16 +6,21 @@ other members are the engine's to change. Which protocol a call satisfies
 follows from its ``kind`` (:mod:`relprop.rules`): ``"conv"`` and ``"dense"``
 calls are :class:`ParametricView`, ``"attention"`` calls
 :class:`AttentionView`, ``"product"`` calls :class:`ProductView`,
-``"softmax"`` calls :class:`SoftmaxView`; every call is a :class:`Call`.
+``"softmax"`` calls :class:`SoftmaxView`, ``"maxpool"`` calls
+:class:`PoolView`; every call is a :class:`Call`.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, Protocol, TypeGuard, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard, overload
 
 from torch import Tensor
 
-__all__ = ["Call", "ParametricView", "ProductView", "SoftmaxView", "AttentionView", "is_parametric",
+if TYPE_CHECKING:
+    from .graph import OpCall, ParametricCall
+    from .ops import AttentionCall
+
+__all__ = ["Call", "ParametricView", "ProductView", "SoftmaxView", "PoolView", "AttentionView", "is_parametric",
            "is_attention"]
 
 
@@ -134,6 +139,14 @@ class SoftmaxView(Call, Protocol):
         """The softmax dimension."""
 
 
+class PoolView(Call, Protocol):
+    """A max pooling (``kind`` ``"maxpool"``)."""
+
+    @property
+    def average(self) -> Callable[[Tensor], Tensor]:
+        """The average pooling over the same windows."""
+
+
 class AttentionView(Call, Protocol):
     """``F.scaled_dot_product_attention`` (``kind`` ``"attention"``)."""
 
@@ -154,3 +167,10 @@ def is_parametric(call: Call) -> TypeGuard[ParametricView]:
 def is_attention(call: Call) -> TypeGuard[AttentionView]:
     """Whether ``call`` is a fused attention."""
     return call.kind == "attention"
+
+
+if TYPE_CHECKING:
+    def _conforms(op: OpCall, parametric: ParametricCall, attention: AttentionCall) -> tuple[
+            Call, ParametricView, ProductView, SoftmaxView, PoolView, AttentionView]:
+        """Never run: the type checker checks here that the engine's op calls keep this contract."""
+        return op, parametric, op, op, op, attention
