@@ -9,10 +9,10 @@ BatchNorm. The matrix-form references of docs/design.md are in test_rules.py.
 """
 import pytest
 import torch
+from conftest import randomize_batch_norms
 from torch import nn
 
 import relprop
-from conftest import randomize_batch_norms
 from relprop import kernels, rules
 
 LAYERS = {

@@ -20,8 +20,16 @@ if TYPE_CHECKING:
     from .graph import OpCall, ParametricCall
     from .ops import AttentionCall
 
-__all__ = ["Call", "ParametricView", "ProductView", "SoftmaxView", "PoolView", "AttentionView", "is_parametric",
-           "is_attention"]
+__all__ = [
+    "AttentionView",
+    "Call",
+    "ParametricView",
+    "PoolView",
+    "ProductView",
+    "SoftmaxView",
+    "is_attention",
+    "is_parametric",
+]
 
 
 class Call(Protocol):

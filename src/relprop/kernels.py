@@ -35,8 +35,21 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .contract import ParametricView
-from .rules import (NEGATIVE_SHARE, POSITIVE_SHARE, Shares, Term, _Bound, _bound_image, _broadcasts_to, _identity,
-                    _Lift, _negative, _positive, _stabilizer, denominator)
+from .rules import (
+    NEGATIVE_SHARE,
+    POSITIVE_SHARE,
+    Shares,
+    Term,
+    _Bound,
+    _bound_image,
+    _broadcasts_to,
+    _identity,
+    _Lift,
+    _negative,
+    _positive,
+    _stabilizer,
+    denominator,
+)
 
 __all__ = ["Kernel", "fused"]
 

@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 #: the view of an op call that a rule reads (:mod:`relprop.contract`)
-C = TypeVar("C", bound=Call, contravariant=True)
+C_contra = TypeVar("C_contra", bound=Call, contravariant=True)
 
 #: Op kinds that are linear in their activation inputs.
 LINEAR_KINDS = frozenset({"conv", "dense", "batchnorm", "sum", "norm"})
@@ -106,11 +106,11 @@ def _sum_to(tensor: Tensor, shape: torch.Size) -> Tensor:
     return tensor if tensor.shape == shape else tensor.sum_to_size(shape)
 
 
-class Rule(Generic[C]):
+class Rule(Generic[C_contra]):
     """Base class of all rules.
 
     Subclasses set :attr:`kinds` (the op kinds they apply to) and implement
-    :meth:`propagate`. ``C`` is the view of the op call the rule reads
+    :meth:`propagate`. ``C_contra`` is the view of the op call the rule reads
     (:mod:`relprop.contract`): ``Rule[ParametricView]`` for a rule of
     convolutions and dense layers.
 
@@ -139,11 +139,11 @@ class Rule(Generic[C]):
         if "prepare" in vars(cls) and "prepares" not in vars(cls):  # a rule that prepares reads the output there
             cls.prepares = True
 
-    def accepts(self, call: C) -> bool:
+    def accepts(self, call: C_contra) -> bool:
         """Whether this rule can propagate through ``call`` (a call of any kind)."""
         return call.kind in self.kinds
 
-    def conserves(self, call: C) -> bool:
+    def conserves(self, call: C_contra) -> bool:
         """Whether the relevance this rule hands to ``call``'s inputs adds up to what arrived, up to a stabiliser.
 
         Such a rule hands on ``sum_k R_k z_k / (z_k + eps)``, never more than
@@ -153,14 +153,14 @@ class Rule(Generic[C]):
         """
         return False
 
-    def prepare(self, call: C) -> None:
+    def prepare(self, call: C_contra) -> None:
         """Precompute from ``call.output`` what :meth:`propagate` needs.
 
         Called once per call, at the start of the backward pass, or earlier if
         the output is about to be modified in place.
         """
 
-    def propagate(self, call: C, relevance: Tensor) -> tuple[Tensor | None, ...]:
+    def propagate(self, call: C_contra, relevance: Tensor) -> tuple[Tensor | None, ...]:
         """Return the relevance of each of ``call.inputs`` given the output relevance."""
         raise NotImplementedError
 
@@ -524,7 +524,8 @@ class Gamma(BasicRule):
         self.gamma, self.stabilizer = gamma, stabilizer
         up, down = _Lift(gamma, _positive), _Lift(gamma, _negative)
         super().__init__(
-            [Term(_positive, up), Term(_negative, down, bias=False), Term(_positive, down), Term(_negative, up, bias=False)],
+            [Term(_positive, up), Term(_negative, down, bias=False),
+             Term(_positive, down), Term(_negative, up, bias=False)],
             Shares(stabilizer, groups=(2, 2), where=(1, -1)),
             zero_bias=zero_bias,
         )
