@@ -61,7 +61,7 @@ class Call(Protocol):
     def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
         """The vector-Jacobian product of the (linearised) op with respect to :attr:`inputs`.
 
-        On other calls than ``conv``/``dense`` only if the rule's ``needs_vjp`` is True.
+        Only where the rule's ``needs_vjp`` is True, or on a ``conv``/``dense`` call that is ``transposable``.
         """
 
     def take_output(self) -> Tensor | None:

@@ -117,13 +117,13 @@ class Rule(Generic[C_contra]):
     The flags below tell the engine what to keep for the rule. Each defaults
     to the safe value, so that a rule that sets none is correct; setting one
     only saves memory or time. The exception is :attr:`needs_vjp`, which a
-    rule that calls ``call.vjp`` on calls other than ``conv``/``dense`` sets.
+    rule that calls ``call.vjp`` sets.
     """
 
     #: op kinds this rule applies to
     kinds: frozenset[str] = frozenset()
-    #: whether :meth:`propagate` calls ``call.vjp`` on calls other than ``conv``/``dense``: the engine then keeps
-    #: the op's autograd graph from the forward pass (without it, ``call.vjp`` has no graph to work on)
+    #: whether :meth:`propagate` calls ``call.vjp``: the engine then keeps the op's autograd graph from the forward
+    #: pass (without it, ``call.vjp`` works only on a ``conv``/``dense`` call that is ``transposable``)
     needs_vjp: bool = False
     #: whether :meth:`propagate` reads ``call.output``; False lets the engine drop the output after the forward pass
     needs_output: bool = True
