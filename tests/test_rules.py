@@ -225,14 +225,14 @@ def test_zbox_matches_matrix_form(layer_name, bounds, monkeypatch):
     rule = rules.ZBox(low, high, stabilizer=1e-3)
     # bounds the same at every position of a channel are folded into one weight, l W+ + h W-, but not into a
     # grouped convolution's
-    folded, bound_weight = [], rules.ZBox._bound_weight
+    folded, bound_weight = [], relprop.kernels._Box._bound_weight
 
     def recorded(*args):
         weight = bound_weight(*args)
         folded.append(weight is not None)
         return weight
 
-    monkeypatch.setattr(rules.ZBox, "_bound_weight", recorded)
+    monkeypatch.setattr(relprop.kernels._Box, "_bound_weight", recorded)
     R = torch.randn_like(layer(x))
     attributed = relprop.LRP(layer, relprop.Composite(conv=rule, dense=rule)).attribute(x, target=R)
     # (a dense layer's positions are its input channels)
@@ -288,3 +288,70 @@ def test_pass_hands_relevance_through_a_shape_preserving_layer():
 def test_alpha_beta_checks_its_parameters():
     with pytest.raises(ValueError, match="alpha - beta = 1"):
         rules.AlphaBeta(2.0, 2.0)
+
+
+class _SquaredWeights(rules.BasicRule):
+    """A new rule written as a user would: lambdas for its parts, no protocol flag. Inputs of 0 get relevance."""
+
+    def __init__(self, epsilon=1e-3):
+        super().__init__([rules.Term(lambda x: torch.ones_like(x), lambda w: w * w)],
+                         lambda relevance, outputs, z: [relevance * (z != 0) / rules.denominator(outputs[0], epsilon)])
+
+
+def _relu_net(in_place):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(inplace=in_place), nn.Linear(5, 3)).double().eval()
+
+
+def test_a_new_rule_without_flags_is_right_after_an_in_place_relu():
+    """The rule after an in-place ReLU gives relevance to the entries the ReLU set to 0, and reads its own z.
+
+    Safe defaults: the engine then gives the layer before the ReLU its true output back, and keeps the rule's
+    output. The same net with an out-of-place ReLU, where no such question arises, is the reference; the rule
+    with a wrong flag (claiming inputs of 0 get no relevance) differs from it.
+    """
+    x = torch.randn(4, 6, dtype=torch.float64)
+    rule = _SquaredWeights()
+    assert rule.needs_output and not rule.zero_for_zero_input and rule.kernel is None
+
+    def explain(model, rule):
+        composite = relprop.Composite(dense=rules.Epsilon(0.1), name_map=[("2", rule)])
+        return relprop.LRP(model, composite).attribute(x.clone(), target=1)
+
+    expected = explain(_relu_net(in_place=False), rule)
+    torch.testing.assert_close(explain(_relu_net(in_place=True), rule), expected, rtol=1e-12, atol=1e-12)
+    wrong = _SquaredWeights()
+    wrong.zero_for_zero_input = True
+    assert not torch.allclose(explain(_relu_net(in_place=True), wrong), expected)
+
+
+class _DenseEpsilon(rules.Rule):
+    """The epsilon rule on dense layers from scratch; it reads the output in propagate and sets no flag."""
+
+    kinds = frozenset({"dense"})
+
+    def propagate(self, call, relevance):
+        (x,) = call.inputs
+        return (x * ((relevance / rules.denominator(call.output, 0.25)) @ call.weight),)
+
+
+class _PreparedEpsilon(_DenseEpsilon):
+    """The same, the quotient prepared from the output: the engine may drop the output once prepared."""
+
+    needs_output = False
+
+    def prepare(self, call):
+        call.inverse = 1 / rules.denominator(call.output, 0.25)
+
+    def propagate(self, call, relevance):
+        (x,) = call.inputs
+        return (x * ((relevance * call.inverse) @ call.weight),)
+
+
+@pytest.mark.parametrize("rule", [_DenseEpsilon(), _PreparedEpsilon()], ids=lambda rule: type(rule).__name__)
+def test_a_rule_from_scratch_without_flags_equals_the_built_in(rule):
+    assert _PreparedEpsilon.prepares  # derived from the prepare() it defines
+    x = torch.randn(4, 6, dtype=torch.float64)
+    mine = relprop.LRP(_relu_net(in_place=True), relprop.Composite(dense=rule)).attribute(x.clone(), target=1)
+    builtin = relprop.LRP(_relu_net(in_place=True), relprop.Composite(dense=rules.Epsilon(0.25))).attribute(x, target=1)
+    torch.testing.assert_close(mine, builtin, rtol=1e-12, atol=1e-12)

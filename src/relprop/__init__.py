@@ -15,7 +15,7 @@ inside the model, concepts), :mod:`relprop.audit` (a per-op account),
 class follows captum's ``Attribution`` protocol, so captum's ``NoiseTunnel``
 and metrics take it.
 """
-from . import composites, methods, rules
+from . import composites, kernels, methods, rules
 from .attribution import LRP, Attribution, Contrastive, convergence_delta, model_logits, output_relevance
 from .audit import Audit, audit
 from .bilrp import BiLRP

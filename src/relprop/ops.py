@@ -23,7 +23,7 @@ from torch import Tensor
 from .graph import InPlaceSumCall, OpCall, OpKind, ParametricCall, Workspace, is_activation, substitute, write_into
 from .quantized import QUANTIZED_HANDLERS
 from .recurrent import RECURRENT_HANDLERS
-from .rules import Gradient, Pass, inverse_denominator
+from .rules import Gradient, Pass
 from .tracking import AliasTracker, aliases
 
 if TYPE_CHECKING:
@@ -710,40 +710,15 @@ class AttentionCall(OpCall):
     def _needs_graph(self) -> bool:
         return False
 
-    def attention_relevance(self, relevance: Tensor, epsilon: float, values_only: bool) -> tuple[Tensor | None, ...]:
-        parts = self._parts
-        q, k, v = (parts[key] for key in ("query", "key", "value"))
-        groups = q.shape[-3] // k.shape[-3] if parts["enable_gqa"] else 1
-        k_, v_ = (k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)) if groups > 1 else (k, v)
-        scale = parts["scale"] if parts["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
-        scores = (q @ k_.transpose(-2, -1)) * scale
-        mask = parts["attn_mask"]
-        if parts["is_causal"]:
-            causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-            scores = scores.masked_fill(~causal, -math.inf)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
-        weights = torch.softmax(scores, -1)
-        scaled = relevance * inverse_denominator(weights @ v_, epsilon)
-        # each product splits its relevance over its activation factors: q or k alone (a decoder's query made
-        # from constants, in cross-attention) takes all of q k^T's, and values next to constant weights all
-        factors = [role for role in ("query", "key") if role in self._roles]
-        values_only = values_only or not (factors or "attn_mask" in self._roles)
-        found = {"value": (1.0 if values_only else 0.5) * v_ * (weights.transpose(-2, -1) @ scaled)}
-        if not values_only:
-            r_weights = 0.5 * weights * (scaled @ v_.transpose(-2, -1))
-            # softmax rule, then the scale and the mask as constants: relevance per score over q k^T
-            per_score = r_weights - weights * r_weights.sum(-1, keepdim=True)  # times a score: its relevance
-            taylor = scale * per_score / max(len(factors), 1)
-            found["query"] = q * (taylor @ k_)
-            found["key"] = k_ * (taylor.transpose(-2, -1) @ q)
-            if "attn_mask" in self._roles:  # the mask's own share of each score, as the sum `scores + mask` gives
-                found["attn_mask"] = (mask * per_score).sum_to_size(mask.shape)
-        if groups > 1:
-            for key in ("key", "value"):
-                if key in found:
-                    found[key] = found[key].unflatten(-3, (k.shape[-3], groups)).sum(-3)
-        return tuple(found.get(role) for role in self._roles)
+    @property
+    def parts(self) -> dict[str, Any]:
+        """Its arguments by name (``query``, ``key``, ``value``, ``attn_mask``, ``is_causal``, ``scale``, ...)."""
+        return self._parts
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The names of the arguments that are activations, in the order of :attr:`inputs`."""
+        return tuple(self._roles)
 
 
 def _attention(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:

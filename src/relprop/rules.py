@@ -1,50 +1,56 @@
 """LRP rules: how the relevance of one operation's output reaches its inputs.
 
 A rule is a small object with parameters. The engine hands it an *op call*
-(see :class:`relprop.graph.OpCall`) describing one operation of the forward
-pass, and the relevance arriving at that operation's output; the rule returns
-the relevance of each of the operation's activation inputs.
+(one operation of the forward pass) and the relevance arriving at that
+operation's output; the rule returns the relevance of each of the
+operation's activation inputs. What a rule may read and call on an op call is
+the contract of :mod:`relprop.contract`; the call's ``kind`` is its op family:
 
-The op call offers:
-
-``kind``
-    The op family: ``"conv"``, ``"dense"`` (parametric linear maps),
-    ``"batchnorm"`` (a BatchNorm that could not be merged), ``"sum"`` (sums,
-    means, average pooling, interpolation), ``"norm"`` (layer/group/RMS norm
-    with the statistic held constant), ``"elementwise"``, ``"product"``,
-    ``"maxpool"``.
-``inputs``, ``output``
-    The activation inputs and the output value of the forward pass.
-``vjp(grad)``
-    The vector-Jacobian product of the (linearised) operation with respect to
-    its inputs, from the autograd graph kept from the forward pass.
-``weight``, ``bias``, ``evaluate(x, weight, bias)``
-    For parametric kinds: the parameters (a BatchNorm that follows is already
-    merged in) and the operation re-evaluated with other inputs or parameters.
+``"conv"``, ``"dense"``
+    Parametric linear maps (:class:`~relprop.contract.ParametricView`: weight,
+    bias, the op re-evaluated with other inputs or parameters).
+``"batchnorm"``
+    A BatchNorm that could not be merged into the layer before it.
+``"sum"``
+    Sums, means, average pooling, interpolation, matrix products with a constant.
+``"norm"``
+    Layer, group and RMS norm with the statistic held constant.
+``"elementwise"``, ``"product"``, ``"maxpool"``, ``"softmax"``, ``"attention"``
+    Elementwise nonlinearities, products of activations
+    (:class:`~relprop.contract.ProductView`), max pooling, softmax inside the
+    model, fused attention (:class:`~relprop.contract.AttentionView`).
+``"unknown"``
+    An op without a handler: its plain gradient, reported.
 
 Linear rules follow the general form of docs/design.md, section 2: with modified
 parameters ``rho`` the modified output ``z'`` is computed, ``s = R / (z' +
-eps * sign(z'))`` and ``R_in = x * VJP(s)``.
+eps * sign(z'))`` and ``R_in = x * VJP(s)``. :class:`BasicRule` defines such a
+rule by its terms; :mod:`relprop.kernels` holds fused forms of the built-in ones.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from .contract import AttentionView, Call, ParametricView, is_attention, is_parametric
+
 if TYPE_CHECKING:
-    from .graph import OpCall, ParametricCall
+    from .graph import OpCall
+    from .kernels import Kernel
 
 __all__ = [
-    "Rule", "Epsilon", "Norm", "BasicRule", "Term", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
+    "Rule", "Epsilon", "Norm", "BasicRule", "Term", "Shares", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
     "Flat", "WSquare", "Pass", "Gradient", "UniformProduct", "SignalTakesAll", "Softmax", "Proportional",
     "denominator", "inverse_denominator", "LINEAR_KINDS", "PARAMETRIC_KINDS",
 ]
+
+#: the view of an op call that a rule reads (:mod:`relprop.contract`)
+C_contra = TypeVar("C_contra", bound=Call, contravariant=True)
 
 #: Op kinds that are linear in their activation inputs.
 LINEAR_KINDS = frozenset({"conv", "dense", "batchnorm", "sum", "norm"})
@@ -100,32 +106,44 @@ def _sum_to(tensor: Tensor, shape: torch.Size) -> Tensor:
     return tensor if tensor.shape == shape else tensor.sum_to_size(shape)
 
 
-class Rule:
+class Rule(Generic[C_contra]):
     """Base class of all rules.
 
     Subclasses set :attr:`kinds` (the op kinds they apply to) and implement
-    :meth:`propagate`.
+    :meth:`propagate`. ``C_contra`` is the view of the op call the rule reads
+    (:mod:`relprop.contract`): ``Rule[ParametricView]`` for a rule of
+    convolutions and dense layers.
+
+    The flags below tell the engine what to keep for the rule. Each defaults
+    to the safe value, so that a rule that sets none is correct; setting one
+    only saves memory or time. The exception is :attr:`needs_vjp`, which a
+    rule that calls ``call.vjp`` sets.
     """
 
     #: op kinds this rule applies to
     kinds: frozenset[str] = frozenset()
-    #: whether :meth:`propagate` calls ``call.vjp``: the engine then keeps the
-    #: op's autograd graph from the forward pass instead of re-running it
+    #: whether :meth:`propagate` calls ``call.vjp``: the engine then keeps the op's autograd graph from the forward
+    #: pass (without it, ``call.vjp`` works only on a ``conv``/``dense`` call that is ``transposable``)
     needs_vjp: bool = False
-    #: whether :meth:`propagate` reads ``call.output`` (else it may be overwritten in place)
-    needs_output: bool = False
-    #: whether :meth:`prepare` reads ``call.output``
+    #: whether :meth:`propagate` reads ``call.output``; False lets the engine drop the output after the forward pass
+    needs_output: bool = True
+    #: whether :meth:`prepare` reads ``call.output``; True wherever a subclass overrides :meth:`prepare`
     prepares: bool = False
     #: whether an input entry that is 0 gets relevance 0, whatever relevance arrives (``R_i = x_i * c_i``). Only
     #: then may the op that computed the input read ``relu(z)`` for ``z`` after an in-place ReLU overwrote it
     #: (the engine computes ``z`` again otherwise). False unless a rule says so.
     zero_for_zero_input: bool = False
 
-    def accepts(self, call: OpCall) -> bool:
-        """Whether this rule can propagate through ``call``."""
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "prepare" in vars(cls) and "prepares" not in vars(cls):  # a rule that prepares reads the output there
+            cls.prepares = True
+
+    def accepts(self, call: C_contra) -> bool:
+        """Whether this rule can propagate through ``call`` (a call of any kind)."""
         return call.kind in self.kinds
 
-    def conserves(self, call: OpCall) -> bool:
+    def conserves(self, call: C_contra) -> bool:
         """Whether the relevance this rule hands to ``call``'s inputs adds up to what arrived, up to a stabiliser.
 
         Such a rule hands on ``sum_k R_k z_k / (z_k + eps)``, never more than
@@ -135,14 +153,14 @@ class Rule:
         """
         return False
 
-    def prepare(self, call: OpCall) -> None:
+    def prepare(self, call: C_contra) -> None:
         """Precompute from ``call.output`` what :meth:`propagate` needs.
 
         Called once per call, at the start of the backward pass, or earlier if
         the output is about to be modified in place.
         """
 
-    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+    def propagate(self, call: C_contra, relevance: Tensor) -> tuple[Tensor | None, ...]:
         """Return the relevance of each of ``call.inputs`` given the output relevance."""
         raise NotImplementedError
 
@@ -151,7 +169,7 @@ class Rule:
         return f"{type(self).__name__}({params})"
 
 
-class Epsilon(Rule):
+class Epsilon(Rule[Call]):
     """LRP-epsilon: ``R_j = a_j * sum_k w_jk R_k / (z_k + eps * sign(z_k))``.
 
     ``epsilon=0`` gives LRP-0. Applies to every linear op, parametric or not
@@ -168,6 +186,7 @@ class Epsilon(Rule):
 
     kinds = LINEAR_KINDS
     needs_vjp = True
+    needs_output = False  # propagate() reads only the inverse that prepare() makes of it
     prepares = True
     zero_for_zero_input = True
 
@@ -175,18 +194,17 @@ class Epsilon(Rule):
         self.epsilon = epsilon
         self.zero_bias = zero_bias
 
-    def accepts(self, call: OpCall) -> bool:
-        return super().accepts(call) and (not self.zero_bias or call.kind in PARAMETRIC_KINDS)
+    def accepts(self, call: Call) -> bool:
+        return super().accepts(call) and (not self.zero_bias or is_parametric(call))
 
-    def prepare(self, call: OpCall) -> None:
-        if self.zero_bias and call.bias is not None:  # type: ignore[attr-defined]  # parametric kinds only
-            call.inverse = inverse_denominator(call.output - call.bias_term(),  # type: ignore[attr-defined]
-                                               self.epsilon)
+    def prepare(self, call: Call) -> None:
+        if self.zero_bias and is_parametric(call) and call.bias is not None:
+            call.inverse = inverse_denominator(call.output - call.bias_term(), self.epsilon)
         else:
             z = call.take_output() if call.output_nonnegative else None
             call.inverse = inverse_denominator(call.output if z is None else z, self.epsilon, in_place=z is not None)
 
-    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         scaled = torch.mul(relevance, call.inverse, out=call.inverse)  # the inverse is read once
         grads = call.vjp(scaled)
         if call.kind in PARAMETRIC_KINDS:  # fresh tensors from a transposed product: scaled in place
@@ -222,6 +240,46 @@ def _negative(tensor: Tensor) -> Tensor:
     return tensor.clamp(max=0)
 
 
+def _ones(tensor: Tensor) -> Tensor:
+    return torch.ones_like(tensor)
+
+
+def _square(tensor: Tensor) -> Tensor:
+    return tensor * tensor
+
+
+#: input modifiers that map 0 to 0: a rule made of them alone gives an input entry of 0 relevance 0
+_KEEP_ZERO = (_identity, _positive, _negative)
+
+
+@dataclass(frozen=True)
+class _Lift:
+    """Parameter modifier ``w -> w + gamma * part(w)`` (``part``: the positive or the negative part)."""
+
+    gamma: float
+    part: Callable[[Tensor], Tensor]
+
+    def __call__(self, tensor: Tensor) -> Tensor:
+        return tensor + self.gamma * self.part(tensor)
+
+
+@dataclass(frozen=True, eq=False)
+class _Bound:
+    """Input modifier ``x -> `` the bound ``value`` as an image of ``x``'s shape (padded alike by the op)."""
+
+    value: float | Tensor
+
+    def __call__(self, tensor: Tensor) -> Tensor:
+        return _bound_image(self.value, tensor).expand_as(tensor)
+
+
+def _bound_image(value: float | Tensor, x: Tensor) -> Tensor:
+    """A bound as an input image: of one example where it is the same for every example, else of the batch."""
+    bound = torch.as_tensor(value, dtype=x.dtype, device=x.device)
+    per_example = bound.dim() == x.dim() and bound.shape[0] != 1
+    return bound.expand_as(x if per_example else x[:1])
+
+
 @dataclass(frozen=True)
 class Term:
     """One product ``input(x) * param(W)`` of a :class:`BasicRule`.
@@ -241,15 +299,88 @@ class Term:
     bias: bool = True
 
 
-class BasicRule(Rule):
-    """A rule for parametric linear ops built from its parts.
+@dataclass(frozen=True)
+class Shares:
+    """The gradient mapper of the rules of docs/design.md, section 2: relevance shared in proportion to outputs.
+
+    The terms form groups of consecutive terms (``groups``: their sizes). Term
+    ``t`` of group ``g`` gets ``s_t = sign_t * weight_g * R / denominator(z_g,
+    stabilizer)`` with ``z_g = sum_{t in g} sign_t z_t``, on the entries where
+    the op's output has the sign ``where_g`` (+1, -1; 0: everywhere) and 0
+    elsewhere.
+
+    Parameters
+    ----------
+    stabilizer : float
+    groups : tuple of int
+        Sizes of the groups, in the order of the terms; they add up to the number of terms.
+    weights : tuple of float, optional
+        One per group (default: 1 each).
+    signs : tuple of int, optional
+        One per term, +1 or -1 (default: +1 each).
+    where : tuple of int, optional
+        One per group (default: 0 each, everywhere).
+    """
+
+    stabilizer: float
+    groups: tuple[int, ...] = (1,)
+    weights: tuple[float, ...] = ()
+    signs: tuple[int, ...] = ()
+    where: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:  # the defaults spelled out: kernels recognise a mapper by its fields
+        for name, default, count in (("weights", 1.0, len(self.groups)), ("signs", 1, sum(self.groups)),
+                                     ("where", 0, len(self.groups))):
+            if not getattr(self, name):
+                object.__setattr__(self, name, (default,) * count)
+        if len(self.weights) != len(self.groups) or len(self.where) != len(self.groups) or \
+                len(self.signs) != sum(self.groups):
+            raise ValueError(f"relprop: Shares needs one weight and one `where` per group and one sign per term, got "
+                             f"groups={self.groups}, weights={self.weights}, signs={self.signs}, where={self.where}")
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether it reads the op's output (for ``where``)."""
+        return any(self.where)
+
+    def __call__(self, relevance: Tensor, outputs: list[Tensor], z: Tensor) -> list[Tensor]:
+        grads: list[Tensor] = []
+        start = 0
+        for size, weight, where in zip(self.groups, self.weights, self.where):
+            signs = self.signs[start:start + size]
+            total = outputs[start]
+            for sign, out in zip(signs[1:], outputs[start + 1:start + size]):
+                total = total + out if sign > 0 else total - out
+            shared = relevance if where == 0 else relevance * (z > 0 if where > 0 else z < 0)
+            shared = shared / denominator(total, self.stabilizer)
+            if weight != 1:
+                shared = weight * shared
+            grads.extend(shared if sign > 0 else -shared for sign in signs)
+            start += size
+        return grads
+
+
+class BasicRule(Rule[ParametricView]):
+    """A rule for parametric linear ops built from its parts: its single definition.
 
     For each :class:`Term` ``t`` the op is evaluated as ``z_t = f(input_t(x);
     param_t(W), param_t(b))``. ``gradient_mapper(R, outputs, z)`` turns the
     output relevance into one tensor ``s_t`` per term (typically ``R``
-    divided by a stabilised sum of outputs); ``reducer(inputs, grads)``
-    combines the modified inputs with the VJPs ``c_t = VJP_t(s_t)``
-    (default: ``sum_t input_t * c_t``).
+    divided by a stabilised sum of outputs, :class:`Shares`);
+    ``reducer(inputs, grads)`` combines the modified inputs with the VJPs
+    ``c_t = VJP_t(s_t)`` (default: ``sum_t input_t * c_t``).
+
+    That is the rule's reference form. Where :mod:`relprop.kernels` has a fused
+    form for these terms and this mapper (z+, alpha-beta, gamma, z^B), it
+    computes the same relevance with fewer passes over memory on the calls it
+    serves; everything else takes the reference form.
+
+    The engine's flags follow from the parts: the output is kept unless the
+    mapper is a :class:`Shares` that does not read it (and no fused form
+    does); an input of 0 gets relevance 0 (``zero_for_zero_input``) where
+    every term's input modifier is the identity or a sign part and the
+    reducer is the default. A subclass may still set them as class
+    attributes.
 
     Parameters
     ----------
@@ -261,7 +392,6 @@ class BasicRule(Rule):
     """
 
     kinds = PARAMETRIC_KINDS
-    needs_output = True  # the gradient mapper receives z; the built-in rules that ignore it say so
 
     def __init__(
         self,
@@ -270,135 +400,89 @@ class BasicRule(Rule):
         reducer: Callable[[list[Tensor], list[Tensor]], Tensor] | None = None,
         zero_bias: bool = False,
     ):
+        from .kernels import fused  # kernels reads the rules' vocabulary: imported once both exist
+
         self._terms = tuple(terms)
         self._gradient_mapper = gradient_mapper
-        self._reducer = reducer or _weighted_sum
+        self._reducer = reducer
         self.zero_bias = zero_bias
+        self._kernel = None if zero_bias or reducer is not None else fused(self._terms, gradient_mapper)
+        self._needs_output: bool | None = None  # set: the flag as given, instead of as the parts say
+        self._zero_for_zero_input: bool | None = None
 
-    #: ``propagate_split(call, relevance, split) -> Tensor``: the rule's fast form on an input split by sign
-    #: (see :class:`_Split`), or None if it has none
-    propagate_split: Callable[..., Tensor] | None = None
-    #: whether that fast form takes inputs of both signs; else only non-negative ones (after a ReLU)
-    splits_signed: bool = False
+    @property
+    def kernel(self) -> Kernel | None:
+        """The fused form chosen for these terms (:mod:`relprop.kernels`), or None: the reference form serves."""
+        return self._kernel
 
-    def propagate(self, call: ParametricCall, relevance: Tensor) -> tuple[Tensor]:  # type: ignore[override]
-        split = None
-        if self.propagate_split is not None:
-            split = _split_input(call, self.zero_bias, self.splits_signed)
-        if split is not None:
-            return (self.propagate_split(call, relevance, split),)  # type: ignore[misc]
+    @property
+    def needs_output(self) -> bool:
+        """Whether the gradient mapper or the fused form may read the output."""
+        if self._needs_output is not None:
+            return self._needs_output
+        reads = not isinstance(self._gradient_mapper, Shares) or self._gradient_mapper.reads_output
+        return reads or (self._kernel is not None and self._kernel.reads_output)
+
+    @needs_output.setter
+    def needs_output(self, value: bool) -> None:
+        self._needs_output = value
+
+    @property
+    def zero_for_zero_input(self) -> bool:
+        """Whether an input of 0 gets relevance 0: every input modifier keeps 0, and the reducer is the default."""
+        if self._zero_for_zero_input is not None:
+            return self._zero_for_zero_input
+        return self._reducer is None and all(term.input in _KEEP_ZERO for term in self._terms)
+
+    @zero_for_zero_input.setter
+    def zero_for_zero_input(self, value: bool) -> None:
+        self._zero_for_zero_input = value
+
+    def propagate(self, call: ParametricView, relevance: Tensor) -> tuple[Tensor]:
+        if self._kernel is not None:
+            fast = self._kernel(call, relevance)
+            if fast is not None:
+                return (fast,)
+        return (self.reference(call, relevance),)
+
+    def reference(self, call: ParametricView, relevance: Tensor) -> Tensor:
+        """The relevance of the input from the terms, one modified forward and one VJP per term."""
         (x,) = call.inputs
-        inputs, outputs, live = [], [], []  # type: ignore[var-annotated]
+        inputs: list[Tensor] = []
+        outputs: list[Tensor | None] = []
+        live: list[int] = []
         with torch.enable_grad():
             for term in self._terms:
                 modified = term.input(x).detach()
-                keep_bias = term.bias and not self.zero_bias and call.bias is not None
-                bias = term.param(call.bias) if keep_bias else None  # type: ignore[arg-type]
+                bias = term.param(call.bias) if term.bias and not self.zero_bias and call.bias is not None else None
+                inputs.append(modified)
                 # x- of a non-negative input (after a ReLU) is all zeros: its term is the bias alone, no product
                 if bias is None and not modified.any():
-                    inputs.append(modified)
-                    outputs.append(None)  # type: ignore[arg-type]
+                    outputs.append(None)
                     continue
                 modified.requires_grad_()
-                inputs.append(modified)
                 outputs.append(call.evaluate(modified, term.param(call.weight), bias))
                 live.append(len(outputs) - 1)
         if not live:  # every term vanished: no input, no bias, no relevance
-            return (torch.zeros_like(x),)
-        shape = outputs[live[0]]
-        outputs = [torch.zeros_like(shape) if out is None else out for out in outputs]
-        mapped = self._gradient_mapper(relevance, outputs, call.output)
-        found = torch.autograd.grad([outputs[i] for i in live], [inputs[i] for i in live], [mapped[i] for i in live])
+            return torch.zeros_like(x)
+        shape = next(out for out in outputs if out is not None)
+        full = [torch.zeros_like(shape) if out is None else out for out in outputs]
+        mapped = self._gradient_mapper(relevance, full, call.output)
+        found = torch.autograd.grad([full[i] for i in live], [inputs[i] for i in live], [mapped[i] for i in live])
         grads = [torch.zeros_like(x) for x in inputs]
         for i, grad in zip(live, found):
             grads[i] = grad
-        return (self._reducer(inputs, grads),)
+        if self._reducer is not None:
+            return self._reducer(inputs, grads)
+        total = inputs[0] * grads[0]
+        for modified, grad in zip(inputs[1:], grads[1:]):
+            total = total + modified * grad
+        return total
 
 
-def _weighted_sum(inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
-    return sum(x * c for x, c in zip(inputs, grads))  # type: ignore[return-value]
-
-
-def _split(relevance: Tensor, outputs: list[Tensor], epsilon: float, groups: Sequence[int]) -> list[Tensor]:
-    """Divide the relevance by the stabilised sum of each group of consecutive outputs."""
-    grads, start = [], 0
-    for size in groups:
-        scaled = relevance / denominator(sum(outputs[start:start + size]), epsilon)  # type: ignore[arg-type]
-        grads.extend([scaled] * size)
-        start += size
-    return grads
-
-
-@dataclass
-class _Split:
-    """A parametric op's input split by sign, for the fast forms of z+, alpha-beta and gamma.
-
-    ``positive`` is ``P = W+ x+ + W- x- + b+``, the sum of all positive
-    contributions, so that ``z - P`` is the sum of all negative ones: one
-    modified forward instead of one per term, and transposed products only.
-    On a non-negative input (after a ReLU) ``x_neg`` and ``w_neg`` are None
-    and ``P = W+ x + b+``; a rule that needs ``W-`` there writes it over
-    ``w_pos`` once done with that (:meth:`ParametricCall.negative_weight`). On
-    a signed input ``stacked`` holds ``x+`` and ``x-`` side by side and the
-    weights to match (:meth:`ParametricCall.stack_signs`), so that one
-    transposed product gives ``W+^T s`` and ``W-^T s`` (``w_pos`` and ``w_neg``
-    are None then); where the weight does not allow that (grouped
-    convolutions) ``stacked`` is None and each takes its own product.
-    ``z`` is the op's output; where an in-place ReLU has since zeroed it, the
-    relevance arriving there is 0, so every use stays exact.
-    """
-
-    x_pos: Tensor
-    x_neg: Tensor | None
-    positive: Tensor | None
-    w_pos: Tensor | None
-    w_neg: Tensor | None
-    stacked: tuple[Tensor, Tensor] | None = None
-
-    def take_positive(self) -> Tensor:
-        """``positive``, handed over: the rule writes into it, and it is freed as soon as the rule lets go."""
-        positive, self.positive = self.positive, None
-        return positive  # type: ignore[return-value]  # handed over once
-
-
-def _split_input(call: ParametricCall, zero_bias: bool, signed: bool) -> _Split | None:
-    """The op's input split by sign when a fast form applies (``signed``: also to negative entries), else None."""
-    if zero_bias or call.kind not in PARAMETRIC_KINDS or not getattr(call, "transposable", False):
-        return None
-    (x,) = call.inputs
-    nonnegative = call.input_nonnegative or not bool(x.amin() < 0)  # else one reduction pass, no mask tensor
-    if not (nonnegative or signed):
-        return None
-    b_pos = call.bias.clamp(min=0) if call.bias is not None else None
-    if nonnegative:
-        w_pos, _ = call.weight_parts(negative=False)
-        return _Split(x, None, call.evaluate(x, w_pos, b_pos), w_pos, None)
-    stacked = call.stack_signs(x)
-    if stacked is not None:
-        inputs, weights = stacked
-        return _Split(*inputs.chunk(2, call.input_channel_axis(x)),  # type: ignore[call-arg, misc, arg-type]
-                      call.evaluate(inputs, weights, b_pos), None, None, stacked=stacked)
-    w_pos, w_neg = call.weight_parts(negative=True)
-    x_pos, x_neg = x.clamp(min=0), x.clamp(max=0)
-    positive = call.evaluate(x_pos, w_pos, b_pos).add_(call.evaluate(x_neg, w_neg, None))
-    return _Split(x_pos, x_neg, positive, w_pos, w_neg)
-
-
-def _nonnegative_denominator(z: Tensor, epsilon: float) -> Tensor:
-    """:func:`denominator` of a ``z >= 0`` that the caller owns, in place: ``z + epsilon``."""
-    epsilon = _stabilizer(epsilon, z.dtype)
-    return z.add_(epsilon) if epsilon else z.masked_fill_(z == 0, math.inf)
-
-
-def _nonpositive_denominator(z: Tensor, epsilon: float) -> Tensor:
-    """``z - epsilon`` of a ``z <= 0`` that the caller owns, in place.
-
-    It differs from :func:`denominator` only where ``z == 0``; there every
-    product ``x_i w_ij`` summed into ``z`` is 0 as well, so the relevance is
-    exactly 0 with either sign.
-    """
-    epsilon = _stabilizer(epsilon, z.dtype)
-    return z.sub_(epsilon) if epsilon else z.masked_fill_(z == 0, -math.inf)
+#: the positive contributions ``x+ W+ + x- W-`` (bias ``b+``), and the negative ones ``x+ W- + x- W+`` (``b-``)
+POSITIVE_SHARE = (Term(_positive, _positive), Term(_negative, _negative, bias=False))
+NEGATIVE_SHARE = (Term(_positive, _negative), Term(_negative, _positive, bias=False))
 
 
 class ZPlus(BasicRule):
@@ -407,30 +491,9 @@ class ZPlus(BasicRule):
     Equals :class:`AlphaBeta` with ``alpha=1, beta=0``.
     """
 
-    zero_for_zero_input = True
-    needs_output = False
-
-    splits_signed = True
-
-    def propagate_split(self, call: ParametricCall, relevance: Tensor, split: _Split) -> Tensor:
-        shared = _nonnegative_denominator(split.take_positive(), self.stabilizer)  # P >= 0
-        shared = torch.div(relevance, shared, out=shared)
-        if split.stacked is not None:  # x+ W+^T s and x- W-^T s side by side: the relevance is their sum
-            inputs, weights = split.stacked
-            both = call.transpose_with(shared, weights, like=inputs).mul_(inputs)
-            return torch.add(*both.chunk(2, call.input_channel_axis(both)))
-        grad = call.transpose_with(shared, split.w_pos).mul_(split.x_pos)  # type: ignore[arg-type]
-        if split.x_neg is None:
-            return grad
-        return grad.add_(call.transpose_with(shared, split.w_neg).mul_(split.x_neg))  # type: ignore[arg-type]
-
     def __init__(self, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.stabilizer = stabilizer
-        super().__init__(
-            [Term(_positive, _positive), Term(_negative, _negative, bias=False)],
-            lambda r, outs, z: _split(r, outs, stabilizer, [2]),
-            zero_bias=zero_bias,
-        )
+        super().__init__(POSITIVE_SHARE, Shares(stabilizer, groups=(2,)), zero_bias=zero_bias)
 
 
 class AlphaBeta(BasicRule):
@@ -440,74 +503,12 @@ class AlphaBeta(BasicRule):
     and ``x- w+`` with ``b-``. Requires ``alpha - beta = 1``.
     """
 
-    zero_for_zero_input = True
-    needs_output = True  # the fast form reads z
-
-    splits_signed = True
-
-    def propagate_split(self, call: ParametricCall, relevance: Tensor, split: _Split) -> Tensor:
-        # P >= 0 and N = z - P <= 0: the sums of the positive and of the negative contributions. x+ takes the
-        # positive ones through W+ and the negative ones through W-, x- the other way round. Each quotient
-        # is freed once its products are done: at most four map-sized tensors at once, the relevance included.
-        # (W-^T n as W^T n - W+^T n would spare W-, but cancels badly where N is near 0.)
-        z = call.take_output()
-        negative = (torch.sub(call.output, split.positive) if z is None  # type: ignore[arg-type]
-                    else z.sub_(split.positive))  # type: ignore[arg-type]
-        del z  # `negative` alone holds the output's memory now: freed with it
-        negative = _nonpositive_denominator(negative, self.stabilizer)
-        negative = torch.div(relevance, negative, out=negative)
-        if split.x_neg is None:  # x >= 0: W+ first, then W- written over it, one weight-sized tensor fewer
-            positive = _nonnegative_denominator(split.take_positive(), self.stabilizer)
-            positive = torch.div(relevance, positive, out=positive)
-            on_pos = call.transpose_with(positive, split.w_pos)  # type: ignore[arg-type]
-            del positive
-            w_neg = call.negative_weight(out=split.w_pos)  # type: ignore[arg-type]
-            return call.transpose_with(negative, w_neg).mul_(-self.beta).add_(on_pos, alpha=self.alpha) \
-                .mul_(split.x_pos)
-        if split.stacked is not None:  # one transposed product per quotient gives both of its halves
-            inputs, weights = split.stacked
-            axis = call.input_channel_axis(inputs)
-            on_negative = call.transpose_with(negative, weights, like=inputs)  # W+^T n | W-^T n
-            del negative
-            positive = _nonnegative_denominator(split.take_positive(), self.stabilizer)
-            positive = torch.div(relevance, positive, out=positive)
-            both = call.transpose_with(positive, weights, like=inputs)  # W+^T p | W-^T p
-            del positive
-            (n_pos, n_neg), (p_pos, p_neg) = on_negative.chunk(2, axis), both.chunk(2, axis)
-            p_pos.mul_(self.alpha).sub_(n_neg, alpha=self.beta)  # x+: alpha W+^T p - beta W-^T n
-            p_neg.mul_(self.alpha).sub_(n_pos, alpha=self.beta)  # x-: alpha W-^T p - beta W+^T n
-            del on_negative, n_pos, n_neg
-            both.mul_(inputs)
-            return torch.add(p_pos, p_neg)
-        on_pos = call.transpose_with(negative, split.w_neg).mul_(-self.beta)  # type: ignore[arg-type]
-        on_neg = call.transpose_with(negative, split.w_pos).mul_(-self.beta)  # type: ignore[arg-type]
-        del negative
-        positive = _nonnegative_denominator(split.take_positive(), self.stabilizer)
-        positive = torch.div(relevance, positive, out=positive)
-        grad = on_pos.add_(call.transpose_with(positive, split.w_pos),  # type: ignore[arg-type]
-                           alpha=self.alpha).mul_(split.x_pos)
-        on_neg = on_neg.add_(call.transpose_with(positive, split.w_neg), alpha=self.alpha)  # type: ignore[arg-type]
-        return grad.add_(on_neg.mul_(split.x_neg))  # type: ignore[arg-type]
-
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_bias: bool = False):
         if alpha < 0 or beta < 0 or not math.isclose(alpha - beta, 1.0):
             raise ValueError(f"AlphaBeta needs alpha, beta >= 0 and alpha - beta = 1, got alpha={alpha}, beta={beta}")
         self.alpha, self.beta, self.stabilizer = alpha, beta, stabilizer
-
-        def reduce(inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
-            positive = inputs[0] * grads[0] + inputs[1] * grads[1]
-            negative = inputs[2] * grads[2] + inputs[3] * grads[3]
-            return alpha * positive - beta * negative
-
-        super().__init__(
-            [
-                Term(_positive, _positive), Term(_negative, _negative, bias=False),
-                Term(_positive, _negative), Term(_negative, _positive, bias=False),
-            ],
-            lambda r, outs, z: _split(r, outs, stabilizer, [2, 2]),
-            reduce,
-            zero_bias=zero_bias,
-        )
+        super().__init__(POSITIVE_SHARE + NEGATIVE_SHARE, Shares(stabilizer, groups=(2, 2), weights=(alpha, -beta)),
+                         zero_bias=zero_bias)
 
 
 class Gamma(BasicRule):
@@ -519,53 +520,13 @@ class Gamma(BasicRule):
     non-negative inputs this is the original gamma rule.
     """
 
-    zero_for_zero_input = True
-    needs_output = True
-
-    def propagate_split(self, call: ParametricCall, relevance: Tensor, split: _Split) -> Tensor:
-        # z > 0: x (W + g W+) shares R over z + t, with t = g P + eps; z < 0: x (W + g W-) over (1 + g) z - t,
-        # as W- x + b- = z - P. Divided by 1 + g, that is z - t / (1 + g). So with w = 1 where z > 0 and
-        # w = -1 / (1 + g) where z < 0, one quotient a = R / (z + w t) serves both, and as W- = W - W+:
-        # (W + g W+)^T up + (W + g W-)^T down = W^T a + g W+^T (w a). No masks, no where: each is a pass, on
-        # two map-sized tensors: t and the output's memory (a copy where the output is not writable).
-        gamma = self.gamma
-        slope = 1 / (1 + gamma)
-        z = call.take_output()
-        z = call.output.clone() if z is None else z
-        epsilon = _stabilizer(self.stabilizer, z.dtype)
-        t = split.take_positive().mul_(gamma).add_(epsilon)
-        # w t as a leaky ReLU of copysign(t, z); z + w t has the sign of z and |z + w t| >= t
-        shared = F.leaky_relu_(t.copysign_(z), slope).add_(z)
-        a = z.ne_(0).mul_(relevance).div_(shared)  # where z = 0 nothing is shared
-        del z  # `a` alone holds the output's memory now: freed before the second transposed product
-        if not epsilon:  # t may be 0 too there
-            a = a.nan_to_num_(0.0, 0.0, 0.0)
-        (grad,) = call.vjp(a)  # W^T a; a merged BatchNorm's scale goes onto the smaller operand
-        w_a = F.leaky_relu_(shared.sign_(), slope).mul_(a)  # w from the sign of z + w t, which is that of z
-        del a
-        return grad.add_(call.transpose_with(w_a, split.w_pos),  # type: ignore[union-attr, arg-type]
-                         alpha=gamma).mul_(split.x_pos)
-
     def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.gamma, self.stabilizer = gamma, stabilizer
-
-        def up(t: Tensor) -> Tensor:
-            return t + gamma * t.clamp(min=0)
-
-        def down(t: Tensor) -> Tensor:
-            return t + gamma * t.clamp(max=0)
-
-        def mapper(relevance: Tensor, outputs: list[Tensor], z: Tensor) -> list[Tensor]:
-            positive = relevance * (z > 0) / denominator(outputs[0] + outputs[1], stabilizer)
-            negative = relevance * (z < 0) / denominator(outputs[2] + outputs[3], stabilizer)
-            return [positive, positive, negative, negative]
-
+        up, down = _Lift(gamma, _positive), _Lift(gamma, _negative)
         super().__init__(
-            [
-                Term(_positive, up), Term(_negative, down, bias=False),
-                Term(_positive, down), Term(_negative, up, bias=False),
-            ],
-            mapper,
+            [Term(_positive, up), Term(_negative, down, bias=False),
+             Term(_positive, down), Term(_negative, up, bias=False)],
+            Shares(stabilizer, groups=(2, 2), where=(1, -1)),
             zero_bias=zero_bias,
         )
 
@@ -576,156 +537,36 @@ class ZBox(BasicRule):
     Numerator ``x w - l w+ - h w-``, no bias. ``low`` and ``high`` are the
     smallest and largest possible input values, as scalars or tensors that
     broadcast against the layer's input (e.g. ``(1, 3, 1, 1)`` per channel).
-    The bound images are padded exactly like the input.
+    The bound images are padded exactly like the input. Where routing ops (a
+    space-to-depth) sit between the model input and the layer, bounds of the
+    model input's shape are taken through them.
     """
-
-    needs_output = True  # the fast form reads x W as z - b
-
-    def propagate(self, call: ParametricCall, relevance: Tensor) -> tuple[Tensor]:  # type: ignore[override]
-        (x,) = call.inputs
-        low, high = self._fitted(call, x)
-        if not getattr(call, "transposable", False):
-            if (low, high) != (self.low, self.high):
-                raise ValueError(f"relprop: ZBox bounds of shape {tuple(torch.as_tensor(self.low).shape)} do not "
-                                 f"broadcast against the input {tuple(x.shape)} of {call.describe()}; pass bounds "
-                                 "of the layer's input shape")
-            return super().propagate(call, relevance)
-        # x W - l W+ - h W-: x W is the output less its bias; bounds shared by the batch are evaluated once
-        w_pos, w_neg = call.weight_parts(negative=True)
-        z = call.take_output()
-        if z is None:
-            z = call.output - call.bias_term() if call.bias is not None else call.output.clone()
-        elif call.bias is not None:
-            z = z.sub_(call.bias_term())
-        bounds = self._bound_weight(call, x, low, high, w_pos, w_neg)
-        if bounds is not None:
-            z = z.sub_(call.evaluate(torch.ones_like(x[:1]), bounds, None))
-        else:
-            low, high = _bound_image(low, x), _bound_image(high, x)
-            z = z.sub_(call.evaluate(low, w_pos, None)).sub_(call.evaluate(high, w_neg, None))
-        shared = denominator(z, self.stabilizer)
-        del z
-        shared = torch.div(relevance, shared, out=shared)
-        if bounds is not None:
-            on_x, on_bounds = call.transpose_beside(shared, bounds)
-            return (torch.sub(on_x.mul_(x), on_bounds),)
-        grad = call.vjp(shared)[0].mul_(x)  # type: ignore[union-attr]
-        grad.sub_(call.transpose_with(shared, w_pos).mul_(low))
-        return (grad.sub_(call.transpose_with(shared, w_neg).mul_(high)),)
-
-    def _fitted(self, call: ParametricCall, x: Tensor) -> tuple[float | Tensor, float | Tensor]:
-        """The bounds, where they broadcast against the layer's input ``x``; else as images taken from the model
-        input's space through the routing ops that made ``x`` (a space-to-depth before the first layer).
-        """
-        bounds = (self.low, self.high)
-        if all(_broadcasts_to(torch.as_tensor(bound).shape, x.shape) for bound in bounds):
-            return bounds
-        routed = tuple(call.routed_image(bound) for bound in bounds) if hasattr(call, "routed_image") else (None,)
-        if any(image is None for image in routed):
-            raise ValueError(f"relprop: ZBox bounds of shape {tuple(torch.as_tensor(self.low).shape)} and "
-                             f"{tuple(torch.as_tensor(self.high).shape)} do not broadcast against the input "
-                             f"{tuple(x.shape)} of {call.describe()}, which is not the model input rearranged; pass "
-                             "bounds of the layer's input shape, or scalars")
-        return routed  # type: ignore[return-value]  # none is None here
-
-    def _bound_weight(self, call: ParametricCall, x: Tensor, low: float | Tensor, high: float | Tensor, w_pos: Tensor,
-                      w_neg: Tensor) -> Tensor | None:
-        """``l W+ + h W-`` in ``w_pos``'s memory, where both bounds are the same at every position of a channel.
-
-        Then ``l W+ + h W-`` on an image of ones is ``l W+ + h W-`` of the
-        bound images (padded alike), and one transposed product of it serves
-        both bound terms: one forward and one transposed product fewer; that
-        product and ``W``'s are one product too
-        (:meth:`ParametricCall.transpose_beside`). With ``l <= 0 <= h`` both
-        terms are <= 0, so the sum cancels nothing. None where a bound varies
-        over positions or examples, or the weight is grouped.
-        """
-        axis = call.input_channel_axis(x)
-        low, high = (_channel_vector(bound, x, axis) for bound in (low, high))  # type: ignore[assignment]
-        if low is None or high is None or call.scale_input_channels(w_neg, high) is None:  # type: ignore[arg-type]
-            return None
-        return call.scale_input_channels(w_pos, low).add_(w_neg)  # type: ignore[union-attr, arg-type]
 
     def __init__(self, low: float | Tensor, high: float | Tensor, stabilizer: float = 1e-6):
         self.low, self.high, self.stabilizer = low, high, stabilizer
-
-        def mapper(relevance: Tensor, outputs: list[Tensor], z: Tensor) -> list[Tensor]:
-            return [relevance / denominator(outputs[0] - outputs[1] - outputs[2], stabilizer)] * 3
-
-        def reduce(inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
-            return inputs[0] * grads[0] - inputs[1] * grads[1] - inputs[2] * grads[2]
-
         super().__init__(
-            [
-                Term(_identity, _identity),
-                Term(lambda x: _bound_image(low, x).expand_as(x), _positive),
-                Term(lambda x: _bound_image(high, x).expand_as(x), _negative),
-            ],
-            mapper,
-            reduce,
+            [Term(_identity, _identity, bias=False), Term(_Bound(low), _positive, bias=False),
+             Term(_Bound(high), _negative, bias=False)],
+            Shares(stabilizer, groups=(3,), signs=(1, -1, -1)),
         )
-
-
-def _bound_image(value: float | Tensor, x: Tensor) -> Tensor:
-    """A bound as an input image: of one example where it is the same for every example, else of the batch."""
-    bound = torch.as_tensor(value, dtype=x.dtype, device=x.device)
-    per_example = bound.dim() == x.dim() and bound.shape[0] != 1
-    return bound.expand_as(x if per_example else x[:1])
-
-
-def _channel_vector(value: float | Tensor, x: Tensor, axis: int) -> Tensor | None:
-    """A bound as one value per channel (``axis`` of ``x``), if it is the same at every position; else None."""
-    bound = torch.as_tensor(value, dtype=x.dtype, device=x.device)
-    if bound.dim() > x.dim():
-        return None
-    shape = (1,) * (x.dim() - bound.dim()) + tuple(bound.shape)
-    if any(size != 1 for dim, size in enumerate(shape) if dim != axis):
-        return None
-    return bound.reshape(-1).expand(x.shape[axis])
-
-
-def _ones(tensor: Tensor) -> Tensor:
-    return torch.ones_like(tensor)
-
-
-def _square(tensor: Tensor) -> Tensor:
-    return tensor * tensor
-
-
-def _gradient_only(inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
-    return grads[0]
 
 
 class WSquare(BasicRule):
     """LRP-w^2: ``R_i = sum_j w_ij^2 / sum_i' w_i'j^2 R_j``, independent of the input."""
 
-    needs_output = False
-
     def __init__(self, stabilizer: float = 1e-6, zero_bias: bool = False):
         self.stabilizer = stabilizer
-        super().__init__(
-            [Term(_ones, _square)],
-            lambda r, outs, z: _split(r, outs, stabilizer, [1]),
-            _gradient_only,
-            zero_bias=zero_bias,
-        )
+        super().__init__([Term(_ones, _square)], Shares(stabilizer), zero_bias=zero_bias)
 
 
 class Flat(BasicRule):
     """LRP-flat: every weight 1, no bias: relevance spread uniformly over the receptive field."""
 
-    needs_output = False
-
     def __init__(self, stabilizer: float = 1e-6):
         self.stabilizer = stabilizer
-        super().__init__(
-            [Term(_ones, _ones)],
-            lambda r, outs, z: _split(r, outs, stabilizer, [1]),
-            _gradient_only,
-            zero_bias=True,
-        )
+        super().__init__([Term(_ones, _ones)], Shares(stabilizer), zero_bias=True)
 
-    def conserves(self, call: OpCall) -> bool:
+    def conserves(self, call: ParametricView) -> bool:
         return True
 
 
@@ -770,9 +611,56 @@ class Gradient(Rule):
     kinds = frozenset({"conv", "dense", "batchnorm", "sum", "norm", "elementwise", "product", "maxpool", "softmax",
                        "unknown"})
     needs_vjp = True
+    needs_output = False
 
     def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
         return call.vjp(relevance)
+
+
+def attention_relevance(call: AttentionView, relevance: Tensor, epsilon: float,
+                        values_only: bool) -> tuple[Tensor | None, ...]:
+    """Relevance of a fused attention's activation inputs: ``softmax(q k^T * scale + mask) @ v`` recomputed.
+
+    ``values_only`` (CP-LRP): the values take all of it. Else (AttnLRP) the
+    product ``weights @ v`` splits it evenly between the weights and ``v``
+    (each with the epsilon rule of a product, ``eps`` the stabiliser), the
+    softmax takes its rule (:class:`Softmax`), and ``q k^T`` splits its share
+    evenly between ``q`` and ``k``; an activation mask gets its own share of
+    each score. Grouped-query heads sum back onto their key and value heads.
+    """
+    parts, roles = call.parts, call.roles
+    q, k, v = (parts[key] for key in ("query", "key", "value"))
+    groups = q.shape[-3] // k.shape[-3] if parts["enable_gqa"] else 1
+    k_, v_ = (k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)) if groups > 1 else (k, v)
+    scale = parts["scale"] if parts["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k_.transpose(-2, -1)) * scale
+    mask = parts["attn_mask"]
+    if parts["is_causal"]:
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, -math.inf)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, -1)
+    scaled = relevance * inverse_denominator(weights @ v_, epsilon)
+    # each product splits its relevance over its activation factors: q or k alone (a decoder's query made
+    # from constants, in cross-attention) takes all of q k^T's, and values next to constant weights all
+    factors = [role for role in ("query", "key") if role in roles]
+    values_only = values_only or not (factors or "attn_mask" in roles)
+    found = {"value": (1.0 if values_only else 0.5) * v_ * (weights.transpose(-2, -1) @ scaled)}
+    if not values_only:
+        r_weights = 0.5 * weights * (scaled @ v_.transpose(-2, -1))
+        # softmax rule, then the scale and the mask as constants: relevance per score over q k^T
+        per_score = r_weights - weights * r_weights.sum(-1, keepdim=True)  # times a score: its relevance
+        taylor = scale * per_score / max(len(factors), 1)
+        found["query"] = q * (taylor @ k_)
+        found["key"] = k_ * (taylor.transpose(-2, -1) @ q)
+        if "attn_mask" in roles:  # the mask's own share of each score, as the sum `scores + mask` gives
+            found["attn_mask"] = (mask * per_score).sum_to_size(mask.shape)
+    if groups > 1:
+        for key in ("key", "value"):
+            if key in found:
+                found[key] = found[key].unflatten(-3, (k.shape[-3], groups)).sum(-3)
+    return tuple(found.get(role) for role in roles)
 
 
 class UniformProduct(Rule):
@@ -787,6 +675,7 @@ class UniformProduct(Rule):
     zero_for_zero_input = True
     kinds = frozenset({"product", "attention"})
     needs_vjp = True
+    needs_output = False
     prepares = True
 
     def __init__(self, epsilon: float = 1e-6):
@@ -800,8 +689,8 @@ class UniformProduct(Rule):
         return call.kind == "product"  # a product of k activations is k-linear: x * grad sums to k z
 
     def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
-        if call.kind == "attention":
-            return call.attention_relevance(relevance, self.epsilon, values_only=False)  # type: ignore[attr-defined]
+        if is_attention(call):
+            return attention_relevance(call, relevance, self.epsilon, values_only=False)
         return tuple(None if c is None else x * c for x, c in zip(call.inputs, call.vjp(relevance * call.inverse)))
 
 
@@ -817,6 +706,7 @@ class SignalTakesAll(Rule):
 
     kinds = frozenset({"product", "attention"})
     needs_vjp = True  # for matrix products: the linear map of the signal, with the gate held constant
+    needs_output = False
     prepares = True
 
     def __init__(self, epsilon: float = 1e-6):
@@ -842,8 +732,8 @@ class SignalTakesAll(Rule):
         return call.kind == "attention" or not all(call.gates)
 
     def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
-        if call.kind == "attention":
-            return call.attention_relevance(relevance, self.epsilon, values_only=True)  # type: ignore[attr-defined]
+        if is_attention(call):
+            return attention_relevance(call, relevance, self.epsilon, values_only=True)
         if getattr(call, "matrix", False):  # attn @ v: epsilon rule of v's linear map
             grads = call.vjp(relevance * call.inverse)
             return tuple(None if gate else x * c  # type: ignore[operator]
