@@ -107,3 +107,119 @@ def test_smooth_stride_preset_option_on_resnet_shortcuts_only():
     smoothed = sorted(row.module for row in rows if row.rule.startswith("SmoothStride"))
     assert smoothed == [f"layer{i}.0.downsample.0+layer{i}.0.downsample.1" for i in (2, 3, 4)]
     assert all(row.rule.startswith("ZPlus") for row in rows if "conv" in row.module and "conv1" != row.module[:5])
+
+
+class _Pool(nn.Module):
+    """A functional max pooling in a module's forward: a module of its own, so that module.rule can reach it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.max_pool2d(x, 2)
+
+
+class _Residual(nn.Module):
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.conv, self.in_place = nn.Conv2d(3, 3, 3, padding=1), in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x))
+        if self.in_place:
+            h += x
+            return h
+        return h + x
+
+
+def _pool_net() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), _Pool(), nn.Flatten(),
+                         nn.Linear(4 * 4 * 4, 3)).double().eval()
+
+
+def test_func_map_precedence():
+    """module.rule > name_map > func_map > first > layer_map > default, told apart by their numbers."""
+    net, x = _pool_net(), torch.rand(2, 3, 8, 8, dtype=torch.float64)
+    proportional = {F.max_pool2d: rules.Proportional()}
+    winner = _lrp(net, x, 1, Composite())
+    shared = _lrp(net, x, 1, Composite(layer_map=[(_Pool, rules.Proportional())]))
+    assert not torch.allclose(shared, winner)
+    torch.testing.assert_close(_lrp(net, x, 1, Composite(func_map=proportional)), shared, rtol=1e-12, atol=0)
+    # func_map before layer_map
+    composite = Composite(func_map=proportional, layer_map=[(_Pool, rules.Gradient())])
+    torch.testing.assert_close(_lrp(net, x, 1, composite), shared, rtol=1e-12, atol=0)
+    # name_map before func_map
+    composite = Composite(func_map=proportional, name_map=[("2", rules.Gradient())])
+    torch.testing.assert_close(_lrp(net, x, 1, composite), winner, rtol=1e-12, atol=0)
+    # module.rule before func_map
+    net[2].rule = rules.Gradient()
+    torch.testing.assert_close(_lrp(net, x, 1, Composite(func_map=proportional)), winner, rtol=1e-12, atol=0)
+    del net[2].rule
+    # func_map before first: the first convolution takes the mapped rule, not the preset's Flat
+    flat = EpsilonPlusFlat()
+    mapped = EpsilonPlusFlat(func_map={torch.conv2d: rules.ZPlus()})
+    torch.testing.assert_close(_lrp(net, x, 1, mapped), _lrp(net, x, 1, relprop.composites.EpsilonPlus()),
+                               rtol=1e-12, atol=0)
+    assert not torch.allclose(_lrp(net, x, 1, mapped), _lrp(net, x, 1, flat))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_func_map_matches_the_aliases_of_a_function(in_place):
+    """torch.add, Tensor.add, x + y and x += y are one function; its rule (here a large epsilon) reaches each."""
+    torch.manual_seed(4)
+    net = nn.Sequential(_Residual(in_place), nn.Flatten(), nn.Linear(3 * 5 * 5, 2)).double().eval()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    default = _lrp(net, x, 0, Composite())
+    # the sum's own rule with epsilon 10 everywhere it is called: the same as giving every default linear op (only
+    # the sum here: the conv and dense layers have rules of their own) that epsilon
+    expected = _lrp(net, x, 0, Composite(epsilon=10.0, conv=rules.Epsilon(), dense=rules.Epsilon()))
+    assert not torch.allclose(expected, default)
+    for key in (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.add_, torch.Tensor.__iadd__):
+        found = _lrp(net, x, 0, Composite(func_map={key: rules.Epsilon(10.0)}))
+        torch.testing.assert_close(found, expected, rtol=1e-12, atol=0)
+
+
+def test_func_map_refuses_what_it_cannot_reach():
+    with pytest.raises(ValueError, match="cannot give torch.reshape a rule: .*routing op"):
+        Composite(func_map={torch.reshape: rules.Pass()})
+    with pytest.raises(ValueError, match="cannot give torch.diff a rule: relprop has no op of that name"):
+        Composite(func_map={torch.diff: rules.Epsilon()})
+    with pytest.raises(ValueError, match="keys are torch functions .* got 'max_pool2d'"):
+        Composite(func_map={"max_pool2d": rules.Proportional()})
+    # a rule that cannot apply to every call of the function: RuleError naming the entry, the op and the module
+    net, x = _pool_net(), torch.rand(1, 3, 8, 8, dtype=torch.float64)
+    with pytest.raises(relprop.RuleError, match=r"func_map entry for torch.nn.functional.relu\) cannot apply to "
+                                                r"torch.nn.functional.relu in module '1'"):
+        _lrp(net, x, 0, Composite(func_map={F.relu: rules.Epsilon()}))
+
+
+def _explain_cli(tmp_path, name, *options):
+    from PIL import Image
+
+    from relprop.cli import main
+
+    picture = tmp_path / "digit.png"
+    if not picture.exists():
+        pixels = torch.zeros(28, 28, dtype=torch.uint8)
+        pixels[5:23, 12:16], pixels[8:12, 4:24] = 255, 200
+        Image.fromarray(pixels.numpy()).save(picture)
+    code = main(["explain", str(picture), "--model", "cli_factory:small_cnn", "--size", "28", "--channels", "1",
+                 "--preset", "epsilon", "--target", "3", "--out", str(tmp_path / name), *options])
+    return code, tmp_path / name / "digit_relevance.png"
+
+
+def test_cli_func_rule_and_smooth_stride(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))  # cli_factory
+    code, plain = _explain_cli(tmp_path, "plain")
+    assert code == 0
+    # winner-take-all named explicitly is the default; proportional max pooling changes the heatmap
+    code, winner = _explain_cli(tmp_path, "winner", "--func-rule", "max_pool2d=gradient", "--smooth-stride")
+    assert code == 0 and winner.read_bytes() == plain.read_bytes()
+    code, shared = _explain_cli(tmp_path, "shared", "--func-rule", "max_pool2d=proportional")
+    assert code == 0 and shared.read_bytes() != plain.read_bytes()
+    capsys.readouterr()
+    for value, message in [("foo=proportional", "no torch function named 'foo'"),
+                           ("max_pool2d=bar", "unknown rule 'bar'; rules: epsilon"),
+                           ("reshape=epsilon", "cannot give torch.reshape a rule")]:
+        code, _ = _explain_cli(tmp_path, "bad", "--func-rule", value)
+        error = capsys.readouterr().err
+        assert code == 2 and len(error.splitlines()) == 1 and message in error, error
+        assert not (tmp_path / "bad").exists()

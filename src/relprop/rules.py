@@ -889,7 +889,7 @@ def _arguments(call: OpCall) -> dict[str, Any] | None:
     if call._spec is not None:  # activations nested in containers: no single input to replace
         return None
     # F.max_pool2d and kin dispatch on return_indices between two functions of one signature
-    func = torch._jit_internal.boolean_dispatched.get(call.func, {}).get("if_false", call.func)  # type: ignore
+    func = torch._jit_internal.boolean_dispatched.get(call.func, {}).get("if_false", call.func)
     try:
         bound = inspect.signature(func).bind(*call._leaves, **call._constants)
     except (TypeError, ValueError):  # a builtin without a signature, or arguments it does not take
