@@ -83,15 +83,40 @@ def test_smooth_stride_closed_form(size):
     assert plain[..., 4, 6].abs().sum() > 0 and plain[..., 5, 7].abs().sum() == 0
 
 
-def test_smooth_stride_conserves_without_biases():
+@pytest.mark.parametrize("rule", [None, rules.ZPlus(), rules.AlphaBeta(2.0, 1.0), rules.Gamma(0.25)],
+                         ids=["epsilon", "zplus", "alphabeta", "gamma"])
+@pytest.mark.parametrize("stride", [2, (2, 3)])
+def test_smooth_stride_is_the_rule_of_the_block_average_convolution(rule, stride):
+    """SmoothStride(rule) on a 1x1 conv = rule on the conv with a stride x stride kernel of weight / stride^2."""
+    torch.manual_seed(5)
+    conv = nn.Conv2d(4, 3, 1, stride=stride).double().eval()
+    steps = (stride, stride) if isinstance(stride, int) else stride
+    average = nn.Conv2d(4, 3, steps, stride=steps).double().eval()
+    with torch.no_grad():
+        average.weight.copy_(conv.weight.expand(3, 4, *steps) / (steps[0] * steps[1]))
+        average.bias.copy_(conv.bias)
+    x = torch.randn(2, 4, 12, 12, dtype=torch.float64)
+    R = torch.rand_like(conv(x))
+    smooth = rules.SmoothStride(epsilon=1e-9, rule=rule)
+    expected = _lrp(average, x, R, Composite(epsilon=1e-9, conv=rule or rules.Epsilon(1e-9)))
+    torch.testing.assert_close(_lrp(conv, x, R, Composite(conv=smooth)), expected, rtol=1e-10, atol=1e-13)
+
+
+def test_smooth_stride_refuses_a_rule_it_cannot_apply():
+    with pytest.raises(TypeError, match="SmoothStride's rule is None .* got Epsilon"):
+        rules.SmoothStride(rule=rules.Epsilon())
+
+
+@pytest.mark.parametrize("composite", [relprop.composites.Epsilon(1e-12, smooth_stride=True),
+                                       EpsilonPlusFlat(1e-12, smooth_stride=True)], ids=["epsilon", "zplus"])
+def test_smooth_stride_conserves_without_biases(composite):
     """Bias-free (BatchNorm shifts 0): the input relevance sums to f_t(x), also over an odd-sized input."""
     net, x = _conv_net(bias=False), torch.randn(3, 3, 11, 11, dtype=torch.float64)
     target = [0, 2, 4]
     f = net(x)[torch.arange(3), target]
-    composite = EpsilonPlusFlat(epsilon=1e-12, smooth_stride=True)
     audit = relprop.audit(net, x, target, composite)
     (row,) = [row for row in audit.rows if row.module.startswith("4")]
-    assert row.rule == "SmoothStride(epsilon=1e-12)"
+    assert row.rule == repr(composite.smooth_stride) and row.rule.startswith("SmoothStride")
     assert abs(row.relevance_out - row.relevance_in) < 1e-9 * abs(row.relevance_in)
     relevance = _lrp(net, x, target, composite)
     torch.testing.assert_close(relevance.sum((1, 2, 3)), f.detach(), rtol=1e-7, atol=0)
@@ -106,6 +131,8 @@ def test_smooth_stride_preset_option_on_resnet_shortcuts_only():
     rows = relprop.audit(model, x, 0, relprop.composites.EpsilonPlus(smooth_stride=True)).rows
     smoothed = sorted(row.module for row in rows if row.rule.startswith("SmoothStride"))
     assert smoothed == [f"layer{i}.0.downsample.0+layer{i}.0.downsample.1" for i in (2, 3, 4)]
+    assert all(row.rule.startswith("SmoothStride(epsilon=1e-06, rule=ZPlus") for row in rows
+               if "downsample" in row.module)
     assert all(row.rule.startswith("ZPlus") for row in rows if "conv" in row.module and "conv1" != row.module[:5])
 
 

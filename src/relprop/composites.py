@@ -148,8 +148,11 @@ class Composite:
         ``torch.max``) or that relprop has no op for raises ``ValueError``.
     smooth_stride : bool
         Propagate every convolution with a 1x1 kernel and a stride above 1
-        (ResNet's downsampling shortcut) with :class:`~relprop.rules.SmoothStride`,
-        which removes the checkerboard such a layer leaves in heatmaps.
+        (ResNet's downsampling shortcut) as if it read the average of each
+        stride x stride block (:class:`~relprop.rules.SmoothStride`, with the
+        rule for convolutions ``conv`` where that is ZPlus, AlphaBeta or
+        Gamma, else the epsilon rule), which removes the checkerboard such a
+        layer leaves in heatmaps. After ``layer_map``, before ``conv``.
     """
 
     #: what makes a factor of a product a gate that takes no relevance: a sigmoid output, a normalising
@@ -169,13 +172,19 @@ class Composite:
         self._by_function: dict[str, tuple[str, Rule]] = {}  # function name -> (the key's name, its rule)
         for func, rule in self.func_map:
             self._by_function.setdefault(function_name(func, check=True), (op_name(func), rule))
-        self.smooth_stride = rules.SmoothStride(epsilon) if smooth_stride else None
+        self.smooth_stride = self._smooth_stride() if smooth_stride else None
         self._linear = rules.Epsilon(epsilon)
         self._pass = rules.Pass()
         self._uniform = rules.UniformProduct(epsilon)
         self._gated = rules.SignalTakesAll(epsilon)
         self._softmax = rules.Softmax()
         self.attention: Rule = self._uniform
+
+    def _smooth_stride(self) -> rules.SmoothStride:
+        """SmoothStride with this composite's rule for convolutions (ZPlus, AlphaBeta, Gamma) or its epsilon."""
+        if isinstance(self.conv, rules.BasicRule):
+            return rules.SmoothStride(rule=self.conv)
+        return rules.SmoothStride(self.conv.epsilon if isinstance(self.conv, rules.Epsilon) else self.epsilon)
 
     @staticmethod
     def own_rule(module: nn.Module | None) -> Rule | None:

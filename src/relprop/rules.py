@@ -1001,25 +1001,36 @@ class SmoothStride(AsFunction):
     reads one pixel of every ``s x s`` block, so it hands relevance to those
     pixels alone: a checkerboard in the heatmap. This rule propagates it as
     the convolution with an ``s x s`` kernel of ``weight / s**2`` on each tap
-    and stride ``s`` (:class:`AsFunction` of it, the bias kept), so every
-    pixel of a block shares the block's relevance in proportion to its
-    contribution to the block's average. A block that runs over the input's
-    last row or column reads zeros there, as padding. The forward pass is
-    unchanged. It conserves where the convolution (a merged BatchNorm
-    included) has no bias.
+    and stride ``s``, the bias kept, so every pixel of a block shares the
+    block's relevance. A block that runs over the input's last row or column
+    reads zeros there, as padding. The forward pass is unchanged.
+
+    By default the smoothed convolution takes the epsilon rule (this is
+    :class:`AsFunction` of it); ``rule`` gives it another rule for
+    convolutions, as the presets do with ``smooth_stride=True`` (their own
+    rule for convolutions: :class:`ZPlus` for ``epsilon-plus``). With
+    :class:`Epsilon` or :class:`ZPlus` and no bias (a merged BatchNorm's
+    shift included), it conserves.
 
     Applies to ``conv1d``, ``conv2d`` and ``conv3d`` with a kernel of size 1
-    and a stride above 1 along some dimension; the presets use it on every
-    such convolution with ``smooth_stride=True``.
+    and a stride above 1 along some dimension.
 
     Parameters
     ----------
     epsilon : float
-        Stabiliser of the denominator.
+        Stabiliser of the epsilon rule's denominator (without ``rule``).
+    rule : BasicRule, optional
+        The rule of the smoothed convolution (:class:`ZPlus`,
+        :class:`AlphaBeta`, :class:`Gamma`, :class:`Flat`, :class:`WSquare`),
+        in its term form; None for the epsilon rule.
     """
 
-    def __init__(self, epsilon: float = 1e-6):
+    def __init__(self, epsilon: float = 1e-6, rule: BasicRule | None = None):
+        if rule is not None and (not isinstance(rule, BasicRule) or isinstance(rule, ZBox)):
+            raise TypeError(f"relprop: SmoothStride's rule is None (epsilon) or a rule for convolutions built from "
+                            f"terms (ZPlus, AlphaBeta, Gamma, Flat, WSquare), got {rule!r}")
         super().__init__(_no_surrogate, epsilon, kinds=("conv",))
+        self.rule = rule
 
     def accepts(self, call: OpCall) -> bool:
         """Whether ``call`` is a convolution with a 1x1 kernel and a stride above 1 (answered before it runs)."""
@@ -1032,24 +1043,75 @@ class SmoothStride(AsFunction):
                 and any(step > 1 for step in _per_dim(options.get("stride", 1), dims)))
 
     def conserves(self, call: OpCall) -> bool:
+        if self.rule is not None:
+            return self.rule.conserves(call)
         return call.bias is None  # type: ignore[attr-defined]
 
     def surrogate_output(self, call: OpCall, x: Tensor) -> Tensor:
+        smoothed = _SmoothedConv.of(call)
+        return smoothed.evaluate(x, smoothed.weight, smoothed.bias)
+
+    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        if self.rule is None:
+            return super().propagate(call, relevance)
+        return self.rule.propagate(_SmoothedConv.of(call), relevance)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"SmoothStride(epsilon={self.epsilon!r}, rule={self.rule!r})"
+
+
+@dataclass
+class _SmoothedConv:
+    """A strided 1x1 convolution's stride x stride average, as a rule for convolutions sees an op call.
+
+    It offers what the term form of a :class:`BasicRule` reads (``inputs``,
+    ``weight``, ``bias``, ``evaluate``, ``output``); it is not transposable,
+    so the fused forms do not apply.
+    """
+
+    call: OpCall
+    weight: Tensor
+    bias: Tensor | None
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    groups: int
+    kind: str = "conv"
+
+    @classmethod
+    def of(cls, call: OpCall) -> _SmoothedConv:
         options = _arguments(call)
-        weight, bias = options["weight"], options["bias"]  # type: ignore[index]
+        weight = options["weight"]  # type: ignore[index]
         dims = weight.dim() - 2
         stride = _per_dim(options.get("stride", 1), dims)  # type: ignore[union-attr]
-        padding = _per_dim(options.get("padding", 0), dims)  # type: ignore[union-attr]
-        # output n reads x[s n - p]; its block is x[s n - p : s n - p + s]: pad the far end where the last block
-        # runs over the input (F.pad lists the last dimension first)
+        kernel = weight.expand(*weight.shape[:2], *stride) / math.prod(stride)
+        return cls(call, kernel, options["bias"], stride, _per_dim(options.get("padding", 0), dims),  # type: ignore
+                   options.get("groups", 1))  # type: ignore[union-attr]
+
+    @property
+    def inputs(self) -> tuple[Tensor, ...]:
+        return self.call.inputs
+
+    @property
+    def output(self) -> Tensor:
+        with torch.no_grad():
+            return self.evaluate(self.call.inputs[0], self.weight, self.bias)
+
+    def evaluate(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """The convolution with stride x stride blocks: output n reads ``x[s n - p : s n - p + s]``.
+
+        Where the last block runs over the input, the far end is padded with zeros (F.pad lists the last dimension
+        first).
+        """
         far = []
-        for size, step, pad in zip(x.shape[-dims:], stride, padding):
-            outputs = (size + 2 * pad - 1) // step + 1
+        for size, step, pad in zip(x.shape[-len(self.stride):], self.stride, self.padding):
+            outputs = (size + 2 * pad - 1) // step + 1  # as many as the 1x1 convolution gives
             far.append((outputs - 1) * step + step - (size + 2 * pad))
         if any(far):
             x = F.pad(x, [value for extra in reversed(far) for value in (0, extra)])
-        kernel = weight.expand(*weight.shape[:2], *stride) / math.prod(stride)
-        return call.func(x, kernel, bias, stride=stride, padding=padding, groups=options.get("groups", 1))  # type: ignore
+        return self.call.func(x, weight, bias, stride=self.stride, padding=self.padding, groups=self.groups)
+
+    def describe(self) -> str:
+        return f"the stride x stride average of {self.call.describe()}"
 
 
 def _no_surrogate(x: Tensor, **arguments: Any) -> Tensor:
