@@ -1,4 +1,7 @@
 """Ops propagated as another function (rules.AsFunction, Proportional, SmoothStride) and rules by torch function."""
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -234,7 +237,7 @@ def _explain_cli(tmp_path, name, *options):
 
 
 def test_cli_func_rule_and_smooth_stride(tmp_path, capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))  # cli_factory
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # cli_factory
     code, plain = _explain_cli(tmp_path, "plain")
     assert code == 0
     # winner-take-all named explicitly is the default; proportional max pooling changes the heatmap
@@ -250,3 +253,56 @@ def test_cli_func_rule_and_smooth_stride(tmp_path, capsys, monkeypatch):
         error = capsys.readouterr().err
         assert code == 2 and len(error.splitlines()) == 1 and message in error, error
         assert not (tmp_path / "bad").exists()
+
+
+def test_checkerboard_measure_closed_forms():
+    from relprop.evaluate import checkerboard
+
+    torch.manual_seed(6)
+    lattice = torch.zeros(3, 16, 16)
+    lattice[0, ::2, ::2] = 1.0  # the lattice alone: all of the variation
+    lattice[1] = 2.0  # constant: none
+    lattice[2, :, :8] = 1.0  # a half plane: no power at the frequencies of period 2 (multiples of 8)
+    torch.testing.assert_close(checkerboard(lattice, 2), torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+    # against the spectrum: power at the multiples of H / period and W / period, over all power but the mean's
+    noise = torch.randn(2, 24, 24, dtype=torch.float64)
+    power = torch.fft.fft2(noise - noise.mean((-2, -1), keepdim=True)).abs().square()
+    on_lattice = power[:, ::6, ::6].sum((-2, -1)) / power.sum((-2, -1))
+    torch.testing.assert_close(checkerboard(noise, 4), on_lattice, rtol=1e-10, atol=0)
+    with pytest.raises(ValueError, match="at least the period 32"):
+        checkerboard(noise, 32)
+
+
+def _stage_checkerboards(model: nn.Module, size: int, composite: Composite) -> torch.Tensor:
+    """Period-2 checkerboard of the relevance at layer1..3's outputs (read by the strided shortcuts), on a photo."""
+    from PIL import Image
+
+    from relprop.evaluate import checkerboard
+
+    picture = Image.open(Path(__file__).parents[1] / "examples" / "pictures" / "chelsea.jpg").resize((size, size))
+    pixels = torch.from_numpy(np.asarray(picture, dtype=np.float32).copy()).permute(2, 0, 1)[None] / 255.0
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    inputs = (pixels - mean) / torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    target = model(inputs).argmax(1)
+    stages = relprop.LayerLRP(model, ["layer1", "layer2", "layer3"], composite).attribute(inputs, target=target)
+    return torch.cat([checkerboard(relevance.sum(1), 2) for relevance in stages])
+
+
+def test_smooth_stride_removes_the_shortcut_checkerboard_resnet18():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    before = _stage_checkerboards(model, 128, EpsilonPlusFlat())
+    after = _stage_checkerboards(model, 128, EpsilonPlusFlat(smooth_stride=True))
+    assert (before > 0.3).all() and (after < before / 2).all(), (before, after)
+
+
+@pytest.mark.slow
+def test_smooth_stride_removes_the_shortcut_checkerboard_resnet50():
+    """The README's numbers for one picture: ResNet50, random init (seed 0), 224 x 224."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().eval()
+    before = _stage_checkerboards(model, 224, EpsilonPlusFlat())
+    after = _stage_checkerboards(model, 224, EpsilonPlusFlat(smooth_stride=True))
+    assert (before > 0.5).all() and (after < before / 2.5).all(), (before, after)
