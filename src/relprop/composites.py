@@ -8,11 +8,16 @@ relevance through it. The answer is found in this order, first match wins:
    :class:`~relprop.engine.RuleError` is raised.
 2. ``name_map``: the first ``(pattern, rule)`` whose shell-style pattern
    (``fnmatch``) matches the dotted module path.
-3. ``first``: the rule for a *first layer*, a convolution or dense op fed by
+3. ``func_map``: the rule for the torch function the op calls, matched by
+   name with its aliases (:func:`function_name`); like ``module.rule`` it
+   must apply to every call it matches.
+4. ``first``: the rule for a *first layer*, a convolution or dense op fed by
    a model input through routing ops only (reshape, pad, ...).
-4. ``layer_map``: the first ``(module type(s), rule)`` matching the module.
-5. The preset's rule for convolutions (``conv``) and dense layers (``dense``).
-6. The op family's default: epsilon (with the composite's epsilon) on sums,
+5. ``layer_map``: the first ``(module type(s), rule)`` matching the module.
+6. ``smooth_stride``: :class:`~relprop.rules.SmoothStride` on convolutions
+   with a 1x1 kernel and a stride above 1.
+7. The preset's rule for convolutions (``conv``) and dense layers (``dense``).
+8. The op family's default: epsilon (with the composite's epsilon) on sums,
    average pooling, normalisation and BatchNorms that follow no linear op;
    Pass on elementwise activations and on scaling by constants; max pooling
    winner-take-all; the softmax rule inside the model; products of two
@@ -21,11 +26,12 @@ relevance through it. The answer is found in this order, first match wins:
    divisor, an exponential weight; for CP-LRP also activations and attention
    weights) takes none.
 
-A mapped rule (steps 2-4) is only used for ops of the kinds it is about
-(``rule.kinds``): a name pattern that matches a whole block gives its rule to
-the block's convolutions and leaves its activations to the default. A rule
-that is about an op's kind but cannot apply to it (Pass on a convolution
-that changes the shape) raises :class:`~relprop.engine.RuleError`.
+A rule from ``name_map``, ``first`` or ``layer_map`` is only used for ops of
+the kinds it is about (``rule.kinds``): a name pattern that matches a whole
+block gives its rule to the block's convolutions and leaves its activations
+to the default. A rule that is about an op's kind but cannot apply to it
+(Pass on a convolution that changes the shape) raises
+:class:`~relprop.engine.RuleError`.
 
 BatchNorm directly after a convolution or dense op is merged into it first,
 unless the BatchNorm module has a ``rule`` of its own.
