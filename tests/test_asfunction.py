@@ -236,15 +236,27 @@ def _explain_cli(tmp_path, name, *options):
     return code, tmp_path / name / "digit_relevance.png"
 
 
+def strided_net() -> nn.Module:
+    """A model with a strided 1x1 convolution, for ``--model test_asfunction:strided_net``."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 1, stride=2), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * 14 * 14, 10))
+
+
 def test_cli_func_rule_and_smooth_stride(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # cli_factory
     code, plain = _explain_cli(tmp_path, "plain")
     assert code == 0
     # winner-take-all named explicitly is the default; proportional max pooling changes the heatmap
     code, winner = _explain_cli(tmp_path, "winner", "--func-rule", "max_pool2d=gradient", "--smooth-stride")
-    assert code == 0 and winner.read_bytes() == plain.read_bytes()
+    assert code == 0 and winner.read_bytes() == plain.read_bytes()  # (no strided 1x1 convolution here)
     code, shared = _explain_cli(tmp_path, "shared", "--func-rule", "max_pool2d=proportional")
     assert code == 0 and shared.read_bytes() != plain.read_bytes()
+    # --smooth-stride reaches a strided 1x1 convolution
+    model = ["--model", "test_asfunction:strided_net"]
+    (code, strided), (code_smooth, smooth) = (_explain_cli(tmp_path, "strided", *model),
+                                              _explain_cli(tmp_path, "smooth", *model, "--smooth-stride"))
+    assert code == code_smooth == 0 and strided.read_bytes() != smooth.read_bytes()
     capsys.readouterr()
     for value, message in [("foo=proportional", "no torch function named 'foo'"),
                            ("max_pool2d=bar", "unknown rule 'bar'; rules: epsilon"),
