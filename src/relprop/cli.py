@@ -44,7 +44,7 @@ import click
 import torch
 from torch import Tensor, nn
 
-from . import LRP, __version__, composites
+from . import LRP, __version__, composites, rules
 from .attribution import model_logits, output_relevance
 
 __all__ = ["main", "app", "Command", "CommandError", "load_model", "load_images", "readable_images",
@@ -188,10 +188,59 @@ def image_options(function: F) -> F:
     return function
 
 
+#: the rules ``--func-rule`` can name, each with its default parameters
+RULES: dict[str, Callable[[], rules.Rule]] = {
+    "epsilon": rules.Epsilon, "lrp-0": lambda: rules.Epsilon(0.0), "zplus": rules.ZPlus,
+    "alpha2-beta1": lambda: rules.AlphaBeta(2.0, 1.0), "gamma": rules.Gamma, "flat": rules.Flat,
+    "wsquare": rules.WSquare, "pass": rules.Pass, "gradient": rules.Gradient, "proportional": rules.Proportional,
+    "smooth-stride": rules.SmoothStride, "uniform": rules.UniformProduct, "softmax": rules.Softmax,
+}
+
+
 def preset_option(function: F) -> F:
-    """``--preset``: an LRP preset of :mod:`relprop.composites`."""
-    return click.option("--preset", type=click.Choice(list(composites.PRESETS)), default="epsilon-plus-flat",
-                        metavar="NAME", help=f"The LRP rules, one of {', '.join(composites.PRESETS)}.")(function)
+    """``--preset``, ``--smooth-stride`` and ``--func-rule``: the LRP rules (a composite of :mod:`relprop.composites`).
+
+    The last two are kept in the click context for :func:`_composite`, so a command takes ``preset`` alone.
+    """
+    options = [
+        click.option("--preset", type=click.Choice(list(composites.PRESETS)), default="epsilon-plus-flat",
+                     metavar="NAME", help=f"The LRP rules, one of {', '.join(composites.PRESETS)}."),
+        click.option("--smooth-stride", is_flag=True, expose_value=False, callback=_remember_smooth_stride,
+                     help="Propagate strided 1x1 convolutions (ResNet's downsampling shortcuts) as the average of "
+                          "each stride x stride block: no checkerboard in the heatmap."),
+        click.option("--func-rule", multiple=True, metavar="FUNCTION=RULE", expose_value=False,
+                     callback=_remember_func_rules,
+                     help="The rule for every call of a torch function, by name (repeatable), e.g. "
+                          f"max_pool2d=proportional; rules: {', '.join(RULES)}."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def _remember_smooth_stride(ctx: click.Context, _: click.Parameter, value: bool) -> None:
+    ctx.meta["relprop.smooth_stride"] = value
+
+
+def _remember_func_rules(ctx: click.Context, __: click.Parameter, values: tuple[str, ...]) -> None:
+    """``--func-rule NAME=RULE``: the torch function of that name (``torch.nn.functional``, ``torch``, ``Tensor``)."""
+    func_map = {}
+    for value in values:
+        name, _, rule = value.partition("=")
+        func = next((f for f in (getattr(namespace, name.strip(), None) for namespace in (torch.nn.functional, torch,
+                                                                                            torch.Tensor))
+                     if callable(f)), None)
+        if func is None:
+            raise click.BadParameter(f"{value!r}: no torch function named {name.strip()!r} (give NAME=RULE, with a "
+                                     "name from torch.nn.functional or torch, e.g. max_pool2d=proportional)")
+        if rule.strip() not in RULES:
+            raise click.BadParameter(f"{value!r}: unknown rule {rule.strip()!r}; rules: {', '.join(RULES)}")
+        try:
+            composites.function_name(func, check=True)
+        except ValueError as error:
+            raise click.BadParameter(f"{value!r}: {str(error).removeprefix('relprop: ')}") from None
+        func_map[func] = RULES[rule.strip()]()
+    ctx.meta["relprop.func_map"] = func_map
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -386,10 +435,14 @@ def load_images(paths: Sequence[str], size: int, normalize: str | None, channels
 
 
 def _composite(preset: str, normalize: str | None, channels: int) -> composites.Composite:
+    """The preset, with the ``--smooth-stride`` and ``--func-rule`` options of the running command."""
+    ctx = click.get_current_context(silent=True)
+    meta = ctx.meta if ctx is not None else {}
+    options = {"smooth_stride": meta.get("relprop.smooth_stride", False), "func_map": meta.get("relprop.func_map")}
     if preset == "epsilon-gamma-box":
         mean, std = _normalization(normalize, channels)
-        return composites.EpsilonGammaBox(low=(0 - mean) / std, high=(1 - mean) / std)
-    return composites.get(preset)
+        return composites.EpsilonGammaBox(low=(0 - mean) / std, high=(1 - mean) / std, **options)
+    return composites.get(preset, **options)
 
 
 def _output_names(paths: Sequence[str]) -> list[str]:
@@ -537,8 +590,9 @@ def _explain_text(text: str, folder: str, preset: str, target: int | None, out: 
                            f"{'tokens' if causal else 'classes'} (0 to {len(scores) - 1})")
     chosen = target if target is not None else int(scores.argmax())
     preset = preset if preset in ("attnlrp", "cp-lrp") else "attnlrp"
-    relevance = LRP(model, preset).attribute(encoded["input_ids"], target=(-1, chosen) if causal else chosen,
-                                             additional_forward_args={"attention_mask": encoded["attention_mask"]})
+    relevance = LRP(model, _composite(preset, None, 3)).attribute(
+        encoded["input_ids"], target=(-1, chosen) if causal else chosen,
+        additional_forward_args={"attention_mask": encoded["attention_mask"]})
     tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
     label = tokenizer.decode([chosen]) if causal else (config.id2label or {}).get(chosen, str(chosen))
     click.echo(f"explaining {'next token' if causal else 'class'} {label!r} ({preset}):")

@@ -8,11 +8,16 @@ relevance through it. The answer is found in this order, first match wins:
    :class:`~relprop.engine.RuleError` is raised.
 2. ``name_map``: the first ``(pattern, rule)`` whose shell-style pattern
    (``fnmatch``) matches the dotted module path.
-3. ``first``: the rule for a *first layer*, a convolution or dense op fed by
+3. ``func_map``: the rule for the torch function the op calls, matched by
+   name with its aliases (:func:`function_name`); like ``module.rule`` it
+   must apply to every call it matches.
+4. ``first``: the rule for a *first layer*, a convolution or dense op fed by
    a model input through routing ops only (reshape, pad, ...).
-4. ``layer_map``: the first ``(module type(s), rule)`` matching the module.
-5. The preset's rule for convolutions (``conv``) and dense layers (``dense``).
-6. The op family's default: epsilon (with the composite's epsilon) on sums,
+5. ``layer_map``: the first ``(module type(s), rule)`` matching the module.
+6. ``smooth_stride``: :class:`~relprop.rules.SmoothStride` on convolutions
+   with a 1x1 kernel and a stride above 1.
+7. The preset's rule for convolutions (``conv``) and dense layers (``dense``).
+8. The op family's default: epsilon (with the composite's epsilon) on sums,
    average pooling, normalisation and BatchNorms that follow no linear op;
    Pass on elementwise activations and on scaling by constants; max pooling
    winner-take-all; the softmax rule inside the model; products of two
@@ -21,19 +26,21 @@ relevance through it. The answer is found in this order, first match wins:
    divisor, an exponential weight; for CP-LRP also activations and attention
    weights) takes none.
 
-A mapped rule (steps 2-4) is only used for ops of the kinds it is about
-(``rule.kinds``): a name pattern that matches a whole block gives its rule to
-the block's convolutions and leaves its activations to the default. A rule
-that is about an op's kind but cannot apply to it (Pass on a convolution
-that changes the shape) raises :class:`~relprop.engine.RuleError`.
+A rule from ``name_map``, ``first`` or ``layer_map`` is only used for ops of
+the kinds it is about (``rule.kinds``): a name pattern that matches a whole
+block gives its rule to the block's convolutions and leaves its activations
+to the default. A rule that is about an op's kind but cannot apply to it
+(Pass on a convolution that changes the shape) raises
+:class:`~relprop.engine.RuleError`.
 
 BatchNorm directly after a convolution or dense op is merged into it first,
 unless the BatchNorm module has a ``rule`` of its own.
 """
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -41,7 +48,9 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 
 from . import rules
+from . import ops
 from .graph import OpKind
+from .ops import HANDLERS, op_name
 from .rules import Rule
 
 if TYPE_CHECKING:
@@ -49,11 +58,67 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Composite", "Epsilon", "EpsilonPlus", "EpsilonPlusFlat", "EpsilonAlpha2Beta1", "EpsilonAlpha2Beta1Flat",
-    "EpsilonGammaBox", "AttnLRP", "CPLRP", "PRESETS", "get",
+    "EpsilonGammaBox", "AttnLRP", "CPLRP", "PRESETS", "get", "function_name",
 ]
 
 _TypeMap = Mapping[type | tuple[type, ...], Rule] | Iterable[tuple[type | tuple[type, ...], Rule]]
 _NameMap = Mapping[str, Rule] | Iterable[tuple[str, Rule]]
+
+
+_FuncMap = Mapping[Callable, Rule] | Iterable[tuple[Callable, Rule]]
+
+#: other names torch gives the same function, by the name they stand for
+_SYNONYMS = {"truediv": "div", "true_divide": "div", "divide": "div", "multiply": "mul", "subtract": "sub",
+             "negative": "neg", "clip": "clamp", "absolute": "abs"}
+#: operators whose reflected (``__radd__``) and in-place (``__iadd__``) forms are the same function
+_OPERATORS = frozenset({"add", "sub", "mul", "div", "truediv", "matmul", "pow"})
+
+
+@functools.cache
+def function_name(func: Callable, check: bool = False) -> str:
+    """The name by which ``func_map`` matches a torch function: the same for all its aliases.
+
+    The function's ``__name__``, with these forms counted as the function
+    itself: the in-place form's trailing ``_`` (``relu_``, ``add_``); an
+    operator's dunder, reflected and in-place forms (``__add__``,
+    ``__radd__``, ``__iadd__`` are ``add``); and torch's synonyms
+    ``divide``, ``true_divide``, ``__truediv__`` (``div``), ``multiply``
+    (``mul``), ``subtract`` (``sub``), ``negative`` (``neg``), ``clip``
+    (``clamp``), ``absolute`` (``abs``). The namespace does not count:
+    ``F.relu``, ``torch.relu`` and ``Tensor.relu`` are ``relu``.
+
+    Parameters
+    ----------
+    func : callable
+    check : bool
+        Raise ``ValueError`` unless relprop gives some op of that name a rule
+        (a routing op such as ``reshape`` or ``torch.max``, whose gradient
+        moves relevance as it is, gets none).
+    """
+    name = getattr(func, "__name__", None)
+    if not callable(func) or not isinstance(name, str):
+        raise ValueError(f"relprop: func_map keys are torch functions (F.max_pool2d, torch.add), got {func!r}")
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name[:1] in ("r", "i") and name[1:] in _OPERATORS:
+            name = name[1:]
+    elif name.endswith("_") and not name.startswith("_"):
+        name = name[:-1]
+    name = _SYNONYMS.get(name, name)
+    if check and name not in _rule_bearing():
+        routed = any(function_name(f) == name for f in HANDLERS)
+        raise ValueError(f"relprop: func_map cannot give {op_name(func)} a rule: "
+                         + ("relevance follows its gradient as it is (a routing op)" if routed else
+                            "relprop has no op of that name (it is not a torch function relprop handles)"))
+    return name
+
+
+@functools.cache
+def _rule_bearing() -> frozenset[str]:
+    """The names of the torch functions whose op calls get a rule (not routing ops, not metadata)."""
+    # handlers that run an op as it is or with a fixed rule: routing, metadata, in-place writes, cat (relprop.ops)
+    fixed = (ops._run, ops._run_in_place, ops._combine)
+    return frozenset(function_name(func) for func, handler in HANDLERS.items() if handler not in fixed)
 
 
 def _pairs(mapping: Mapping | Iterable | None) -> list[tuple]:
@@ -78,6 +143,24 @@ class Composite:
         Rules for first layers (fed by a model input).
     layer_map : mapping or pairs of module type(s) to Rule, optional
     name_map : mapping or pairs of module-path pattern to Rule, optional
+    func_map : mapping or pairs of torch function to Rule, optional
+        Rules by the torch function an op calls (``{F.max_pool2d:
+        rules.Proportional()}``). A function matches the op calls of every
+        function of the same name in ``torch``, ``torch.nn.functional`` and
+        the ``Tensor`` methods (``F.relu``, ``torch.relu``, ``x.relu()``),
+        their in-place forms (``relu_``, ``x += y`` for ``torch.add``) and
+        operators (``x + y``, ``2 - x``, ``x / y``, ``x @ y``); see
+        :func:`function_name`. Like ``module.rule`` the rule must apply to
+        every call it matches, else :class:`~relprop.engine.RuleError`. A
+        function that relevance only passes through (``reshape``,
+        ``torch.max``) or that relprop has no op for raises ``ValueError``.
+    smooth_stride : bool
+        Propagate every convolution with a 1x1 kernel and a stride above 1
+        (ResNet's downsampling shortcut) as if it read the average of each
+        stride x stride block (:class:`~relprop.rules.SmoothStride`, with the
+        rule for convolutions ``conv`` where that is ZPlus, AlphaBeta or
+        Gamma, else the epsilon rule), which removes the checkerboard such a
+        layer leaves in heatmaps. After ``layer_map``, before ``conv``.
     """
 
     #: what makes a factor of a product a gate that takes no relevance: a sigmoid output, a normalising
@@ -86,19 +169,30 @@ class Composite:
 
     def __init__(self, epsilon: float = 1e-6, conv: Rule | None = None, dense: Rule | None = None,
                  first: Mapping[str, Rule] | None = None, layer_map: _TypeMap | None = None,
-                 name_map: _NameMap | None = None):
+                 name_map: _NameMap | None = None, func_map: _FuncMap | None = None, smooth_stride: bool = False):
         self.epsilon = epsilon
         self.conv = conv if conv is not None else rules.Epsilon(epsilon)
         self.dense = dense if dense is not None else rules.Epsilon(epsilon)
         self.first = dict(first or {})
         self.layer_map = _pairs(layer_map)
         self.name_map = _pairs(name_map)
+        self.func_map = _pairs(func_map)
+        self._by_function: dict[str, tuple[str, Rule]] = {}  # function name -> (the key's name, its rule)
+        for func, rule in self.func_map:
+            self._by_function.setdefault(function_name(func, check=True), (op_name(func), rule))
+        self.smooth_stride = self._smooth_stride() if smooth_stride else None
         self._linear = rules.Epsilon(epsilon)
         self._pass = rules.Pass()
         self._uniform = rules.UniformProduct(epsilon)
         self._gated = rules.SignalTakesAll(epsilon)
         self._softmax = rules.Softmax()
         self.attention: Rule = self._uniform
+
+    def _smooth_stride(self) -> rules.SmoothStride:
+        """SmoothStride with this composite's rule for convolutions (ZPlus, AlphaBeta, Gamma) or its epsilon."""
+        if isinstance(self.conv, rules.BasicRule):
+            return rules.SmoothStride(rule=self.conv)
+        return rules.SmoothStride(self.conv.epsilon if isinstance(self.conv, rules.Epsilon) else self.epsilon)
 
     @staticmethod
     def own_rule(module: nn.Module | None) -> Rule | None:
@@ -120,11 +214,15 @@ class Composite:
         for pattern, rule in self.name_map:
             if call.kind in rule.kinds and fnmatchcase(name, pattern):
                 return rule, f"name_map pattern {pattern!r}"
+        if self._by_function and (found := self._by_function.get(function_name(call.func))) is not None:
+            return found[1], f"func_map entry for {found[0]}"
         if getattr(call, "is_first", False) and call.kind in self.first:
             return self.first[call.kind], "first layer"
         for types, rule in self.layer_map:
             if call.kind in rule.kinds and isinstance(module, types):
                 return rule, f"layer_map entry for {types}"
+        if self.smooth_stride is not None and self.smooth_stride.accepts(call):
+            return self.smooth_stride, "smooth_stride (a 1x1 convolution with a stride)"
         return self.default(call), "default"
 
     def gates(self, factors: tuple[str | None, ...]) -> tuple[bool, ...]:

@@ -8,6 +8,8 @@
 - Cascading model randomisation (Adebayo et al. 2018): re-initialise the
   parametric layers from the top down and measure the rank correlation of
   each new heatmap with the original one; it should drop.
+- Checkerboard: the share of a heatmap's variation that repeats on a
+  lattice, as strided layers leave it (:func:`checkerboard`).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from torch import Tensor, nn
 
 from .attribution import model_logits, target_mask
 
-__all__ = ["pixel_flipping", "aopc", "spearman", "randomization_check"]
+__all__ = ["pixel_flipping", "aopc", "spearman", "randomization_check", "checkerboard"]
 
 T = TypeVar("T")
 
@@ -152,3 +154,43 @@ def randomization_check(model: nn.Module, explain: Callable[[nn.Module], Tensor]
         heatmap = explain(randomized)
         results.append((name, spearman(heatmap.abs() if absolute else heatmap, original).mean().item()))
     return results
+
+
+def checkerboard(heatmap: Tensor, period: int = 2) -> Tensor:
+    """The share of a heatmap's variation that repeats with period ``period`` in both directions: its checkerboard.
+
+    The heatmap ``h`` is folded into its ``period x period`` phases, ``m[a, b]
+    = mean_ij h[a + period i, b + period j]``; the periodic part, ``m`` tiled
+    over the map, holds exactly the power of the spectrum at the lattice's
+    frequencies (multiples of ``H / period`` and ``W / period``, the Nyquist
+    frequency among them), the rest is all other variation. The result is
+    ``sum (tile(m) - mean h)^2 / sum (h - mean h)^2``: 1 for a pattern that
+    repeats on the lattice alone, about ``(period^2 - 1) / (H W)`` for white
+    noise, 0 for a constant map. Periods that divide ``period`` count too: a
+    stride-2 layer after a total stride of 4 leaves period 8 in the input's
+    pixels, and ResNet50's three downsampling shortcuts periods 8, 16 and
+    32, all of them within ``period=32``.
+
+    Parameters
+    ----------
+    heatmap : Tensor (..., H, W)
+        Relevance per pixel (sum colour channels first); rows and columns past
+        the last whole period are left out.
+    period : int
+        The lattice's period in pixels, at least 2 and at most ``H`` and ``W``.
+
+    Returns
+    -------
+    Tensor (...)
+        One share in [0, 1] per heatmap.
+    """
+    if heatmap.dim() < 2 or not 2 <= period <= min(heatmap.shape[-2:]):
+        raise ValueError(f"relprop: checkerboard needs a heatmap (..., H, W) with H and W at least the period "
+                         f"{period} (and a period of at least 2), got shape {tuple(heatmap.shape)}")
+    rows, cols = (size // period for size in heatmap.shape[-2:])
+    h = heatmap[..., :rows * period, :cols * period].double()
+    centred = h - h.mean((-2, -1), keepdim=True)
+    phases = centred.unflatten(-1, (cols, period)).unflatten(-3, (rows, period)).mean((-4, -2))
+    total = centred.square().sum((-2, -1))
+    periodic = phases.square().sum((-2, -1)) * rows * cols
+    return torch.where(total > 0, periodic / total.clamp(min=torch.finfo(total.dtype).tiny), 0.0)

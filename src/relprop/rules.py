@@ -29,12 +29,14 @@ rule by its terms; :mod:`relprop.kernels` holds fused forms of the built-in ones
 """
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .contract import AttentionView, Call, ParametricView, is_attention, is_parametric
@@ -45,7 +47,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Rule", "Epsilon", "Norm", "BasicRule", "Term", "Shares", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
-    "Flat", "WSquare", "Pass", "Gradient", "UniformProduct", "SignalTakesAll", "Softmax", "Proportional",
+    "Flat", "WSquare", "Pass", "Gradient", "UniformProduct", "SignalTakesAll", "Softmax", "AsFunction", "Proportional",
+    "SmoothStride",
     "denominator", "inverse_denominator", "LINEAR_KINDS", "PARAMETRIC_KINDS",
 ]
 
@@ -762,27 +765,254 @@ class Softmax(Rule):
         return (out,)
 
 
-class Proportional(Rule):
-    """Max pooling propagated like the average pooling over the same windows.
+def _arguments(call: OpCall) -> dict[str, Any] | None:
+    """The op's arguments other than its activation input, by the names its torch function gives them.
 
-    Each window's relevance is shared in proportion to its inputs instead of
-    going to the winner alone (winner-take-all is the default).
+    Parametric ops (convolutions, dense layers) give ``weight`` and ``bias``, a
+    merged BatchNorm included, and their options (``stride``, ``padding``,
+    ``dilation``, ``groups``); other ops their arguments bound to their
+    signature, defaults filled in (``kernel_size``, ``stride``, ... of
+    ``F.max_pool2d``). None where the function has no signature to bind to.
+    """
+    # the op call keeps its arguments as they were given (private to relprop.graph): read here, never written
+    if call.kind in PARAMETRIC_KINDS:
+        return {"weight": call.weight, "bias": call.bias, **call._constants}  # type: ignore[attr-defined]
+    if call._spec is not None:  # activations nested in containers: no single input to replace
+        return None
+    # F.max_pool2d and kin dispatch on return_indices between two functions of one signature
+    func = torch._jit_internal.boolean_dispatched.get(call.func, {}).get("if_false", call.func)
+    try:
+        bound = inspect.signature(func).bind(*call._leaves, **call._constants)
+    except (TypeError, ValueError):  # a builtin without a signature, or arguments it does not take
+        return None
+    bound.apply_defaults()
+    return {name: value for name, value in bound.arguments.items()
+            if not any(value is x for x in call.inputs)}
+
+
+class AsFunction(Rule):
+    """The op's relevance propagated as if it computed ``surrogate``, by the epsilon rule on the surrogate.
+
+    The forward pass keeps the op's real output; only the backward pass
+    reads the surrogate: ``z = surrogate(x, **arguments)``, ``s = R / (z +
+    eps * sign(z))``, ``R_x = x * VJP_surrogate(s)``. The surrogate must give
+    an output of the op's output shape. With the op itself as surrogate
+    (``AsFunction(torch.conv2d)``) this is the op's plain :class:`Epsilon`.
+
+    Parameters
+    ----------
+    surrogate : callable ``(x, **arguments) -> Tensor``
+        A function of the op's one activation input ``x``. ``arguments`` are
+        the op's other arguments by the names its torch function gives them:
+        for convolutions and dense layers ``weight`` and ``bias`` (with a
+        merged BatchNorm's scale and shift) and the options (``stride``,
+        ``padding``, ``dilation``, ``groups``); for ``F.max_pool2d``
+        ``kernel_size``, ``stride``, ``padding``, ``dilation``, ``ceil_mode``,
+        ``return_indices``; for ``F.adaptive_max_pool2d`` ``output_size``.
+        Take ``**_`` for those it does not read.
+    epsilon : float
+        Stabiliser of the denominator.
+    kinds : iterable of str
+        Op kinds (see :mod:`relprop.rules`) the rule is about: max pooling,
+        convolutions and dense layers unless given.
+
+    Examples
+    --------
+    Max pooling propagated like the average pooling of its windows (this is
+    :class:`Proportional`)::
+
+        AsFunction(lambda x, kernel_size, stride, padding, **_: F.avg_pool2d(x, kernel_size, stride, padding))
     """
 
     zero_for_zero_input = True
-    kinds = frozenset({"maxpool"})
     needs_output = False
 
-    def __init__(self, epsilon: float = 1e-6):
+    def __init__(self, surrogate: Callable[..., Tensor], epsilon: float = 1e-6,
+                 kinds: Iterable[str] = ("maxpool", "conv", "dense")):
+        self.surrogate = surrogate
         self.epsilon = epsilon
+        self.kinds = frozenset(kinds)
 
-    def conserves(self, call: OpCall) -> bool:
-        return True
+    def accepts(self, call: OpCall) -> bool:
+        """An op of the rule's kinds with one activation input and arguments the surrogate can be given."""
+        return call.kind in self.kinds and len(call.inputs) == 1 and _arguments(call) is not None
+
+    def surrogate_output(self, call: OpCall, x: Tensor) -> Tensor:
+        """The surrogate at ``x`` with ``call``'s arguments; rules that build the surrogate from the call override it."""
+        return self.surrogate(x, **_arguments(call))  # type: ignore[arg-type]  # accepts() checked the arguments
 
     def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = call.inputs
         with torch.enable_grad():
             leaf = x.detach().requires_grad_()
-            z = call.average(leaf)
-        (c,) = torch.autograd.grad(z, leaf, relevance / denominator(z, self.epsilon))
-        return (x * c,)
+            z = self.surrogate_output(call, leaf)
+        if z.shape != relevance.shape:
+            raise ValueError(f"relprop: the surrogate of {self!r} gives shape {tuple(z.shape)} on {call.describe()}, "
+                             f"whose output has shape {tuple(relevance.shape)}; it must give the op's output shape")
+        (c,) = torch.autograd.grad(z, leaf, relevance / denominator(z.detach(), self.epsilon))
+        return (c.mul_(x),)
+
+    def __repr__(self) -> str:
+        if type(self) is AsFunction:
+            return f"AsFunction({getattr(self.surrogate, '__name__', self.surrogate)}, epsilon={self.epsilon!r})"
+        return f"{type(self).__name__}(epsilon={self.epsilon!r})"  # the surrogate is the rule's own
+
+
+class Proportional(AsFunction):
+    """Max pooling propagated like the average pooling over the same windows: :class:`AsFunction` of it.
+
+    Each window's relevance is shared in proportion to its inputs instead of
+    going to the winner alone (winner-take-all is the default). Padding
+    counts as zeros in the average; ``F.adaptive_max_pool*`` is propagated
+    like ``F.adaptive_avg_pool*`` of the same output size.
+
+    Parameters
+    ----------
+    epsilon : float
+        Stabiliser of the denominator.
+    """
+
+    def __init__(self, epsilon: float = 1e-6):
+        super().__init__(_no_surrogate, epsilon, kinds=("maxpool",))
+
+    def accepts(self, call: OpCall) -> bool:
+        return call.kind in self.kinds and len(call.inputs) == 1
+
+    def conserves(self, call: OpCall) -> bool:
+        return True
+
+    def surrogate_output(self, call: OpCall, x: Tensor) -> Tensor:
+        return call.average(x)  # the op family's average pooling over the op's own windows (relprop.ops)
+
+
+class SmoothStride(AsFunction):
+    """A strided 1x1 convolution propagated as if it read the average of each stride x stride block of its input.
+
+    A 1x1 convolution with stride ``s`` (ResNet's downsampling shortcut)
+    reads one pixel of every ``s x s`` block, so it hands relevance to those
+    pixels alone: a checkerboard in the heatmap. This rule propagates it as
+    the convolution with an ``s x s`` kernel of ``weight / s**2`` on each tap
+    and stride ``s``, the bias kept, so every pixel of a block shares the
+    block's relevance. A block that runs over the input's last row or column
+    reads zeros there, as padding. The forward pass is unchanged.
+
+    By default the smoothed convolution takes the epsilon rule (this is
+    :class:`AsFunction` of it); ``rule`` gives it another rule for
+    convolutions, as the presets do with ``smooth_stride=True`` (their own
+    rule for convolutions: :class:`ZPlus` for ``epsilon-plus``). With
+    :class:`Epsilon` or :class:`ZPlus` and no bias (a merged BatchNorm's
+    shift included), it conserves.
+
+    Applies to ``conv1d``, ``conv2d`` and ``conv3d`` with a kernel of size 1
+    and a stride above 1 along some dimension.
+
+    Parameters
+    ----------
+    epsilon : float
+        Stabiliser of the epsilon rule's denominator (without ``rule``).
+    rule : BasicRule, optional
+        The rule of the smoothed convolution (:class:`ZPlus`,
+        :class:`AlphaBeta`, :class:`Gamma`, :class:`Flat`, :class:`WSquare`),
+        in its term form; None for the epsilon rule.
+    """
+
+    def __init__(self, epsilon: float = 1e-6, rule: BasicRule | None = None):
+        if rule is not None and (not isinstance(rule, BasicRule) or isinstance(rule, ZBox)):
+            raise TypeError(f"relprop: SmoothStride's rule is None (epsilon) or a rule for convolutions built from "
+                            f"terms (ZPlus, AlphaBeta, Gamma, Flat, WSquare), got {rule!r}")
+        super().__init__(_no_surrogate, epsilon, kinds=("conv",))
+        self.rule = rule
+
+    def accepts(self, call: OpCall) -> bool:
+        """Whether ``call`` is a convolution with a 1x1 kernel and a stride above 1 (answered before it runs)."""
+        if call.kind not in self.kinds or call.func not in _CONVOLUTIONS or len(call.inputs) != 1:
+            return False
+        options = _arguments(call)
+        dims = call.weight.dim() - 2  # type: ignore[attr-defined]  # convolutions are parametric
+        return (options is not None and not isinstance(options.get("padding", 0), str)
+                and all(size == 1 for size in call.weight.shape[2:])  # type: ignore[attr-defined]
+                and any(step > 1 for step in _per_dim(options.get("stride", 1), dims)))
+
+    def conserves(self, call: OpCall) -> bool:
+        if self.rule is not None:
+            return self.rule.conserves(call)  # type: ignore[arg-type]  # convolutions are parametric
+        return call.bias is None  # type: ignore[attr-defined]
+
+    def surrogate_output(self, call: OpCall, x: Tensor) -> Tensor:
+        smoothed = _SmoothedConv.of(call)
+        return smoothed.evaluate(x, smoothed.weight, smoothed.bias)
+
+    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        if self.rule is None:
+            return super().propagate(call, relevance)
+        return self.rule.propagate(_SmoothedConv.of(call), relevance)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"SmoothStride(epsilon={self.epsilon!r}, rule={self.rule!r})"
+
+
+@dataclass
+class _SmoothedConv:
+    """A strided 1x1 convolution's stride x stride average, as a rule for convolutions sees an op call.
+
+    It offers what the term form of a :class:`BasicRule` reads (``inputs``,
+    ``weight``, ``bias``, ``evaluate``, ``output``); it is not transposable,
+    so the fused forms do not apply.
+    """
+
+    call: OpCall
+    weight: Tensor
+    bias: Tensor | None
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    groups: int
+    kind: str = "conv"
+
+    @classmethod
+    def of(cls, call: OpCall) -> _SmoothedConv:
+        options = _arguments(call)
+        weight = options["weight"]  # type: ignore[index]
+        dims = weight.dim() - 2
+        stride = _per_dim(options.get("stride", 1), dims)  # type: ignore[union-attr]
+        kernel = weight.expand(*weight.shape[:2], *stride) / math.prod(stride)
+        return cls(call, kernel, options["bias"], stride, _per_dim(options.get("padding", 0), dims),  # type: ignore
+                   options.get("groups", 1))  # type: ignore[union-attr]
+
+    @property
+    def inputs(self) -> tuple[Tensor, ...]:
+        return self.call.inputs
+
+    @property
+    def output(self) -> Tensor:
+        with torch.no_grad():
+            return self.evaluate(self.call.inputs[0], self.weight, self.bias)
+
+    def evaluate(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """The convolution with stride x stride blocks: output n reads ``x[s n - p : s n - p + s]``.
+
+        Where the last block runs over the input, the far end is padded with zeros (F.pad lists the last dimension
+        first).
+        """
+        far = []
+        for size, step, pad in zip(x.shape[-len(self.stride):], self.stride, self.padding):
+            outputs = (size + 2 * pad - 1) // step + 1  # as many as the 1x1 convolution gives
+            far.append((outputs - 1) * step + step - (size + 2 * pad))
+        if any(far):
+            x = F.pad(x, [value for extra in reversed(far) for value in (0, extra)])
+        return self.call.func(x, weight, bias, stride=self.stride, padding=self.padding, groups=self.groups)
+
+    def describe(self) -> str:
+        return f"the stride x stride average of {self.call.describe()}"
+
+
+def _no_surrogate(x: Tensor, **arguments: Any) -> Tensor:
+    """The surrogate of rules that build theirs from the op call (:meth:`AsFunction.surrogate_output`)."""
+    raise NotImplementedError("relprop: this rule builds its surrogate from the op call")
+
+
+def _per_dim(value: int | Sequence[int], dims: int) -> tuple[int, ...]:
+    """A convolution option (an int or one value per dimension) as one value per dimension."""
+    return (value,) * dims if isinstance(value, int) else tuple(value)
+
+
+_CONVOLUTIONS = (torch.conv1d, torch.conv2d, torch.conv3d)

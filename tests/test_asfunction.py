@@ -1,0 +1,320 @@
+"""Ops propagated as another function (rules.AsFunction, Proportional, SmoothStride) and rules by torch function."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import relprop
+from relprop import rules
+from relprop.composites import Composite, EpsilonPlusFlat
+
+
+def _lrp(model: nn.Module, x: torch.Tensor, target: object, composite: Composite) -> torch.Tensor:
+    return relprop.LRP(model, composite).attribute(x, target=target)
+
+
+def _conv_net(bias: bool = True) -> nn.Module:
+    """Conv, BatchNorm (merged), max pooling, a strided 1x1 conv with BatchNorm, a dense layer; float64, eval."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=bias), nn.BatchNorm2d(4), nn.ReLU(),
+                        nn.MaxPool2d(3, 2, padding=1), nn.Conv2d(4, 6, 1, stride=2, bias=bias), nn.BatchNorm2d(6),
+                        nn.ReLU(), nn.Flatten(), nn.Linear(6 * 3 * 3, 5, bias=bias)).double().eval()
+    with torch.no_grad():
+        for bn in (net[1], net[5]):
+            bn.running_mean.uniform_(-0.5, 0.5) if bias else bn.running_mean.zero_()
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5) if bias else bn.bias.zero_()
+    return net
+
+
+def test_identity_surrogate_is_the_plain_epsilon_rule():
+    """AsFunction with the op itself as surrogate (BatchNorm merged into its weight and bias) = Epsilon."""
+    net, x = _conv_net(), torch.randn(2, 3, 11, 11, dtype=torch.float64)
+    plain = _lrp(net, x, [1, 3], Composite(epsilon=1e-3))
+    surrogate = Composite(epsilon=1e-3, conv=rules.AsFunction(torch.conv2d, epsilon=1e-3),
+                          dense=rules.AsFunction(F.linear, epsilon=1e-3))
+    torch.testing.assert_close(_lrp(net, x, [1, 3], surrogate), plain, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("kernel, stride, padding, ceil_mode", [(2, 2, 0, False), (3, 2, 1, False), (3, 2, 0, True)])
+def test_proportional_is_as_function_of_average_pooling(kernel, stride, padding, ceil_mode):
+    """Proportional = AsFunction(avg_pool2d) built from max_pool2d's own arguments, to 1e-12 in float64."""
+    torch.manual_seed(1)
+    x = torch.rand(2, 3, 9, 9, dtype=torch.float64)
+    pool = nn.MaxPool2d(kernel, stride, padding, ceil_mode=ceil_mode).eval()
+    R = torch.rand_like(pool(x))
+
+    def average(x, kernel_size, stride, padding, ceil_mode, **_):
+        return F.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad=True)
+
+    proportional = _lrp(pool, x, R, Composite(layer_map=[(nn.MaxPool2d, rules.Proportional(epsilon=1e-9))]))
+    as_function = _lrp(pool, x, R, Composite(
+        layer_map=[(nn.MaxPool2d, rules.AsFunction(average, epsilon=1e-9, kinds=["maxpool"]))]))
+    torch.testing.assert_close(proportional, as_function, rtol=1e-12, atol=1e-15)
+    assert isinstance(rules.Proportional(), rules.AsFunction)
+    # and it is not winner-take-all
+    assert not torch.allclose(proportional, _lrp(pool, x, R, Composite()))
+
+
+def test_surrogate_of_the_wrong_shape_is_refused_naming_the_op():
+    net, x = _conv_net(), torch.randn(1, 3, 11, 11, dtype=torch.float64)
+    net[3].rule = rules.AsFunction(lambda x, **_: F.avg_pool2d(x, 2))  # 11 -> 5, the pool gives 6
+    with pytest.raises(ValueError, match=r"surrogate .*shape \(1, 4, 5, 5\) on .*max_pool2d in module '3'.*\(1, 4, 6, 6\)"):
+        _lrp(net, x, 0, Composite())
+
+
+@pytest.mark.parametrize("size", [8, 9])
+def test_smooth_stride_closed_form(size):
+    """A lone 1x1 stride-2 conv: each pixel of the target's 2x2 block gets x W / 4 * R / z', z' the block's
+    smoothed output ``sum_i W_i mean(x_i)`` and R the seed, the real output ``sum_i W_i x_i[2h, 2w]``."""
+    torch.manual_seed(2)
+    conv = nn.Conv2d(2, 3, 1, stride=2, bias=False).double().eval()
+    x = torch.randn(1, 2, size, size, dtype=torch.float64)
+    relevance = _lrp(conv, x, (1, 2, 3), Composite(epsilon=0.0, conv=rules.SmoothStride(epsilon=0.0)))
+    expected = torch.zeros_like(x)
+    block = (slice(None), slice(None), slice(4, 6), slice(6, 8))
+    weight = conv.weight[1].detach().view(1, 2, 1, 1)
+    smoothed = (weight * x[block]).sum() / 4
+    expected[block] = x[block] * weight / 4 * conv(x)[0, 1, 2, 3].detach() / smoothed
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-15)
+    # the plain rule gives it all to one pixel of the block: the checkerboard
+    plain = _lrp(conv, x, (1, 2, 3), Composite(epsilon=0.0))
+    assert plain[..., 4, 6].abs().sum() > 0 and plain[..., 5, 7].abs().sum() == 0
+
+
+@pytest.mark.parametrize("rule", [None, rules.ZPlus(), rules.AlphaBeta(2.0, 1.0), rules.Gamma(0.25)],
+                         ids=["epsilon", "zplus", "alphabeta", "gamma"])
+@pytest.mark.parametrize("stride", [2, (2, 3)])
+def test_smooth_stride_is_the_rule_of_the_block_average_convolution(rule, stride):
+    """SmoothStride(rule) on a 1x1 conv = rule on the conv with a stride x stride kernel of weight / stride^2."""
+    torch.manual_seed(5)
+    conv = nn.Conv2d(4, 3, 1, stride=stride).double().eval()
+    steps = (stride, stride) if isinstance(stride, int) else stride
+    average = nn.Conv2d(4, 3, steps, stride=steps).double().eval()
+    with torch.no_grad():
+        average.weight.copy_(conv.weight.expand(3, 4, *steps) / (steps[0] * steps[1]))
+        average.bias.copy_(conv.bias)
+    x = torch.randn(2, 4, 12, 12, dtype=torch.float64)
+    R = torch.rand_like(conv(x))
+    smooth = rules.SmoothStride(epsilon=1e-9, rule=rule)
+    expected = _lrp(average, x, R, Composite(epsilon=1e-9, conv=rule or rules.Epsilon(1e-9)))
+    torch.testing.assert_close(_lrp(conv, x, R, Composite(conv=smooth)), expected, rtol=1e-10, atol=1e-13)
+
+
+def test_smooth_stride_refuses_a_rule_it_cannot_apply():
+    with pytest.raises(TypeError, match="SmoothStride's rule is None .* got Epsilon"):
+        rules.SmoothStride(rule=rules.Epsilon())
+
+
+@pytest.mark.parametrize("composite", [relprop.composites.Epsilon(1e-12, smooth_stride=True),
+                                       EpsilonPlusFlat(1e-12, smooth_stride=True)], ids=["epsilon", "zplus"])
+def test_smooth_stride_conserves_without_biases(composite):
+    """Bias-free (BatchNorm shifts 0): the input relevance sums to f_t(x), also over an odd-sized input."""
+    net, x = _conv_net(bias=False), torch.randn(3, 3, 11, 11, dtype=torch.float64)
+    target = [0, 2, 4]
+    f = net(x)[torch.arange(3), target]
+    audit = relprop.audit(net, x, target, composite)
+    (row,) = [row for row in audit.rows if row.module.startswith("4")]
+    assert row.rule == repr(composite.smooth_stride) and row.rule.startswith("SmoothStride")
+    assert abs(row.relevance_out - row.relevance_in) < 1e-9 * abs(row.relevance_in)
+    relevance = _lrp(net, x, target, composite)
+    torch.testing.assert_close(relevance.sum((1, 2, 3)), f.detach(), rtol=1e-7, atol=0)
+
+
+def test_smooth_stride_preset_option_on_resnet_shortcuts_only():
+    """EpsilonPlus(smooth_stride=True): SmoothStride on every 1x1 strided conv (the shortcuts), ZPlus elsewhere."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=4).eval()
+    x = torch.randn(1, 3, 64, 64)
+    rows = relprop.audit(model, x, 0, relprop.composites.EpsilonPlus(smooth_stride=True)).rows
+    smoothed = sorted(row.module for row in rows if row.rule.startswith("SmoothStride"))
+    assert smoothed == [f"layer{i}.0.downsample.0+layer{i}.0.downsample.1" for i in (2, 3, 4)]
+    assert all(row.rule.startswith("SmoothStride(epsilon=1e-06, rule=ZPlus") for row in rows
+               if "downsample" in row.module)
+    assert all(row.rule.startswith("ZPlus") for row in rows if "conv" in row.module and "conv1" != row.module[:5])
+
+
+class _Pool(nn.Module):
+    """A functional max pooling in a module's forward: a module of its own, so that module.rule can reach it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.max_pool2d(x, 2)
+
+
+class _Residual(nn.Module):
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.conv, self.in_place = nn.Conv2d(3, 3, 3, padding=1), in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x))
+        if self.in_place:
+            h += x
+            return h
+        return h + x
+
+
+def _pool_net() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), _Pool(), nn.Flatten(),
+                         nn.Linear(4 * 4 * 4, 3)).double().eval()
+
+
+def test_func_map_precedence():
+    """module.rule > name_map > func_map > first > layer_map > default, told apart by their numbers."""
+    net, x = _pool_net(), torch.rand(2, 3, 8, 8, dtype=torch.float64)
+    proportional = {F.max_pool2d: rules.Proportional()}
+    winner = _lrp(net, x, 1, Composite())
+    shared = _lrp(net, x, 1, Composite(layer_map=[(_Pool, rules.Proportional())]))
+    assert not torch.allclose(shared, winner)
+    torch.testing.assert_close(_lrp(net, x, 1, Composite(func_map=proportional)), shared, rtol=1e-12, atol=0)
+    # func_map before layer_map
+    composite = Composite(func_map=proportional, layer_map=[(_Pool, rules.Gradient())])
+    torch.testing.assert_close(_lrp(net, x, 1, composite), shared, rtol=1e-12, atol=0)
+    # name_map before func_map
+    composite = Composite(func_map=proportional, name_map=[("2", rules.Gradient())])
+    torch.testing.assert_close(_lrp(net, x, 1, composite), winner, rtol=1e-12, atol=0)
+    # module.rule before func_map
+    net[2].rule = rules.Gradient()
+    torch.testing.assert_close(_lrp(net, x, 1, Composite(func_map=proportional)), winner, rtol=1e-12, atol=0)
+    del net[2].rule
+    # func_map before first: the first convolution takes the mapped rule, not the preset's Flat
+    flat = EpsilonPlusFlat()
+    mapped = EpsilonPlusFlat(func_map={torch.conv2d: rules.ZPlus()})
+    torch.testing.assert_close(_lrp(net, x, 1, mapped), _lrp(net, x, 1, relprop.composites.EpsilonPlus()),
+                               rtol=1e-12, atol=0)
+    assert not torch.allclose(_lrp(net, x, 1, mapped), _lrp(net, x, 1, flat))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_func_map_matches_the_aliases_of_a_function(in_place):
+    """torch.add, Tensor.add, x + y and x += y are one function; its rule (here a large epsilon) reaches each."""
+    torch.manual_seed(4)
+    net = nn.Sequential(_Residual(in_place), nn.Flatten(), nn.Linear(3 * 5 * 5, 2)).double().eval()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    default = _lrp(net, x, 0, Composite())
+    # the sum's own rule with epsilon 10 everywhere it is called: the same as giving every default linear op (only
+    # the sum here: the conv and dense layers have rules of their own) that epsilon
+    expected = _lrp(net, x, 0, Composite(epsilon=10.0, conv=rules.Epsilon(), dense=rules.Epsilon()))
+    assert not torch.allclose(expected, default)
+    for key in (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.add_, torch.Tensor.__iadd__):
+        found = _lrp(net, x, 0, Composite(func_map={key: rules.Epsilon(10.0)}))
+        torch.testing.assert_close(found, expected, rtol=1e-12, atol=0)
+
+
+def test_func_map_refuses_what_it_cannot_reach():
+    with pytest.raises(ValueError, match="cannot give torch.reshape a rule: .*routing op"):
+        Composite(func_map={torch.reshape: rules.Pass()})
+    with pytest.raises(ValueError, match="cannot give torch.diff a rule: relprop has no op of that name"):
+        Composite(func_map={torch.diff: rules.Epsilon()})
+    with pytest.raises(ValueError, match="keys are torch functions .* got 'max_pool2d'"):
+        Composite(func_map={"max_pool2d": rules.Proportional()})
+    # a rule that cannot apply to every call of the function: RuleError naming the entry, the op and the module
+    net, x = _pool_net(), torch.rand(1, 3, 8, 8, dtype=torch.float64)
+    with pytest.raises(relprop.RuleError, match=r"func_map entry for torch.nn.functional.relu\) cannot apply to "
+                                                r"torch.nn.functional.relu in module '1'"):
+        _lrp(net, x, 0, Composite(func_map={F.relu: rules.Epsilon()}))
+
+
+def _explain_cli(tmp_path, name, *options):
+    from PIL import Image
+
+    from relprop.cli import main
+
+    picture = tmp_path / "digit.png"
+    if not picture.exists():
+        pixels = torch.zeros(28, 28, dtype=torch.uint8)
+        pixels[5:23, 12:16], pixels[8:12, 4:24] = 255, 200
+        Image.fromarray(pixels.numpy()).save(picture)
+    code = main(["explain", str(picture), "--model", "cli_factory:small_cnn", "--size", "28", "--channels", "1",
+                 "--preset", "epsilon", "--target", "3", "--out", str(tmp_path / name), *options])
+    return code, tmp_path / name / "digit_relevance.png"
+
+
+def strided_net() -> nn.Module:
+    """A model with a strided 1x1 convolution, for ``--model test_asfunction:strided_net``."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 1, stride=2), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * 14 * 14, 10))
+
+
+def test_cli_func_rule_and_smooth_stride(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # cli_factory
+    code, plain = _explain_cli(tmp_path, "plain")
+    assert code == 0
+    # winner-take-all named explicitly is the default; proportional max pooling changes the heatmap
+    code, winner = _explain_cli(tmp_path, "winner", "--func-rule", "max_pool2d=gradient", "--smooth-stride")
+    assert code == 0 and winner.read_bytes() == plain.read_bytes()  # (no strided 1x1 convolution here)
+    code, shared = _explain_cli(tmp_path, "shared", "--func-rule", "max_pool2d=proportional")
+    assert code == 0 and shared.read_bytes() != plain.read_bytes()
+    # --smooth-stride reaches a strided 1x1 convolution
+    model = ["--model", "test_asfunction:strided_net"]
+    (code, strided), (code_smooth, smooth) = (_explain_cli(tmp_path, "strided", *model),
+                                              _explain_cli(tmp_path, "smooth", *model, "--smooth-stride"))
+    assert code == code_smooth == 0 and strided.read_bytes() != smooth.read_bytes()
+    capsys.readouterr()
+    for value, message in [("foo=proportional", "no torch function named 'foo'"),
+                           ("max_pool2d=bar", "unknown rule 'bar'; rules: epsilon"),
+                           ("reshape=epsilon", "cannot give torch.reshape a rule")]:
+        code, _ = _explain_cli(tmp_path, "bad", "--func-rule", value)
+        error = capsys.readouterr().err
+        assert code == 2 and len(error.splitlines()) == 1 and message in error, error
+        assert not (tmp_path / "bad").exists()
+
+
+def test_checkerboard_measure_closed_forms():
+    from relprop.evaluate import checkerboard
+
+    torch.manual_seed(6)
+    lattice = torch.zeros(3, 16, 16)
+    lattice[0, ::2, ::2] = 1.0  # the lattice alone: all of the variation
+    lattice[1] = 2.0  # constant: none
+    lattice[2, :, :8] = 1.0  # a half plane: no power at the frequencies of period 2 (multiples of 8)
+    torch.testing.assert_close(checkerboard(lattice, 2), torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+    # against the spectrum: power at the multiples of H / period and W / period, over all power but the mean's
+    noise = torch.randn(2, 24, 24, dtype=torch.float64)
+    power = torch.fft.fft2(noise - noise.mean((-2, -1), keepdim=True)).abs().square()
+    on_lattice = power[:, ::6, ::6].sum((-2, -1)) / power.sum((-2, -1))
+    torch.testing.assert_close(checkerboard(noise, 4), on_lattice, rtol=1e-10, atol=0)
+    with pytest.raises(ValueError, match="at least the period 32"):
+        checkerboard(noise, 32)
+
+
+def _stage_checkerboards(model: nn.Module, size: int, composite: Composite) -> torch.Tensor:
+    """Period-2 checkerboard of the relevance at layer1..3's outputs (read by the strided shortcuts), on a photo."""
+    from PIL import Image
+
+    from relprop.evaluate import checkerboard
+
+    picture = Image.open(Path(__file__).parents[1] / "examples" / "pictures" / "chelsea.jpg").resize((size, size))
+    pixels = torch.from_numpy(np.asarray(picture, dtype=np.float32).copy()).permute(2, 0, 1)[None] / 255.0
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    inputs = (pixels - mean) / torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    target = model(inputs).argmax(1)
+    stages = relprop.LayerLRP(model, ["layer1", "layer2", "layer3"], composite).attribute(inputs, target=target)
+    return torch.cat([checkerboard(relevance.sum(1), 2) for relevance in stages])
+
+
+def test_smooth_stride_removes_the_shortcut_checkerboard_resnet18():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    before = _stage_checkerboards(model, 128, EpsilonPlusFlat())
+    after = _stage_checkerboards(model, 128, EpsilonPlusFlat(smooth_stride=True))
+    assert (before > 0.3).all() and (after < before / 2).all(), (before, after)
+
+
+@pytest.mark.slow
+def test_smooth_stride_removes_the_shortcut_checkerboard_resnet50():
+    """The README's numbers for one picture: ResNet50, random init (seed 0), 224 x 224."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().eval()
+    before = _stage_checkerboards(model, 224, EpsilonPlusFlat())
+    after = _stage_checkerboards(model, 224, EpsilonPlusFlat(smooth_stride=True))
+    assert (before > 0.5).all() and (after < before / 2.5).all(), (before, after)
