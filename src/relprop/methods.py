@@ -24,7 +24,8 @@ from torch import Tensor
 from .attribution import (Attribution, Inputs, Target, _as_tuple, _captum_entry, _forward_arguments,
                           convergence_delta, model_logits, target_mask)
 
-__all__ = ["InputGradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "Occlusion"]
+__all__ = ["InputGradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "Occlusion", "DeepLift",
+           "DeepLiftShap", "LayerDeepLift"]
 
 Arguments = tuple[tuple, dict]  # positional and keyword arguments after the inputs
 _CHUNK = 256  # examples per forward pass where a method runs many copies and the caller does not say
@@ -402,3 +403,7 @@ def _window_masks(shape: torch.Size, window: tuple[int, ...], stride: tuple[int,
         mask[tuple(slice(c, c + w) for c, w in zip(corner, window))] = True
         masks.append(mask)
     return masks
+
+
+# DeepLift runs on the engine with rules of its own (relprop.deeplift), which reads this module's helpers
+from .deeplift import DeepLift, DeepLiftShap, LayerDeepLift  # noqa: E402
