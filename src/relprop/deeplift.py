@@ -1,4 +1,4 @@
-"""DeepLift (Rescale rule, Shrikumar et al. 2017) on relprop's engine (docs/design.md, section 11).
+"""DeepLift (Rescale rule, Shrikumar et al. 2017) on relprop's engine (docs/design.md, section 8).
 
 The inputs and their baselines run as one batch, inputs first: ``cat([x, x0])``.
 Every op call then holds both halves, and its rule turns the *multiplier*
@@ -318,7 +318,9 @@ class AttentionRescale(_Paired):
         if bound.get("is_causal"):
             causal = torch.ones(scores[0].shape[-2:], dtype=torch.bool, device=scores[0].device).tril()
             scores = [s.masked_fill(~causal, -math.inf) for s in scores]
-        masks = self._pair(call, mask) if mask is not None else None
+        masks = None
+        if mask is not None:  # a mask of a batch (its first dimension) of the rank of the scores, else shared
+            masks = self._pair(call, mask) if mask.dim() == scores[0].dim() else (mask, mask)
         if masks is not None:
             scores = [s.masked_fill(~mt, -math.inf) if mt.dtype == torch.bool else s + mt
                       for s, mt in zip(scores, masks)]
@@ -340,10 +342,8 @@ class AttentionRescale(_Paired):
                      for role, x in zip(roles, call.inputs))
 
     def _pair(self, call: OpCall, value: Tensor) -> tuple[Tensor, Tensor]:
-        """Input and baseline halves of an activation; a constant is the same for both."""
-        if any(value is x for x in call.inputs):
-            return self.halves(call, value)
-        if value.dim() > 0 and value.shape[0] == 2 * self.pairs:
+        """Input and baseline halves of a tensor with the batch first; a constant of one example serves both."""
+        if any(value is x for x in call.inputs) or value.shape[0] != 1:
             return self.halves(call, value)
         return value, value
 
@@ -465,10 +465,12 @@ class _DeepLiftSession(Session):
         out = super().__torch_function__(func, types, args, kwargs)
         if func in _INEXACT:
             self.inexact.append(f"{op_name(func)} in module '{self.module_name or '<root>'}'")
-        elif (func in _CASTS and isinstance(out, Tensor) and out.is_floating_point() and args[0].is_floating_point()
-              and torch.finfo(out.dtype).eps > torch.finfo(args[0].dtype).eps):
+        narrower = (isinstance(out, Tensor) and out.is_floating_point() and args[0].is_floating_point()
+                    and torch.finfo(out.dtype).eps > torch.finfo(args[0].dtype).eps)
+        if narrower:  # a cast, or an op computing in a narrower type (softmax(..., dtype=torch.float32))
             self.precision = max(self.precision, torch.finfo(out.dtype).eps)
-            return self.run(OpCall("elementwise", func, args, kwargs, op_name(func), self.module_name))
+            if func in _CASTS:
+                return self.run(OpCall("elementwise", func, args, kwargs, op_name(func), self.module_name))
         return out
 
     def _out_of_place(self, func: Callable, types: Any, args: tuple, kwargs: dict) -> Tensor:
