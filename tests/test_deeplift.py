@@ -447,3 +447,14 @@ def test_completeness_on_a_tiny_llama(attention, monkeypatch):
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm)
     if attention == "sdpa":  # every op in float64: exact to rounding
         assert_complete(Embedded(model).eval(), embeddings, 0.5 * embeddings, (-1, 5), rtol=1e-8)
+
+
+def test_inside_captums_noise_tunnel():
+    model = sequential("leaky")
+    x = torch.randn(2, 3, 8, 8, dtype=D)
+    method = DeepLift(model)
+    assert method.has_convergence_delta() and method.get_name() == "Deep Lift"
+    torch.manual_seed(5)
+    smoothed, delta = captum_attr.NoiseTunnel(method).attribute(x, nt_type="smoothgrad", nt_samples=3, stdevs=0.1,
+                                                                target=1, return_convergence_delta=True)
+    assert smoothed.shape == x.shape and delta.shape == (6,) and delta.abs().max() < 1e-12
