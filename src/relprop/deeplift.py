@@ -453,7 +453,8 @@ class _DeepLiftSession(Session):
         super().__init__(*args, **kwargs)
         #: ops met whose handling is not exact for differences, with their module paths
         self.inexact: list[str] = []
-        #: the machine epsilon of the narrowest floating-point type a cast made: it bounds how exact DeepLift can be
+        #: the machine epsilon of the narrowest floating-point type an op computed in, where narrower than its input:
+        #: multipliers through such ops are in that type, which bounds how exact DeepLift can be
         self.precision = 0.0
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -633,10 +634,9 @@ class DeepLift(Attribution):
     def compute_convergence_delta(self, attributions: Inputs, start_point: Any, end_point: Inputs,
                                   target: Target = None, additional_forward_args: Any = None) -> Tensor:
         """captum's ``attributions total - (f(end_point) - f(start_point))`` per example."""
-        from .methods import IntegratedGradients
+        from .methods import _completeness_delta
 
-        return IntegratedGradients(self.model).compute_convergence_delta(attributions, start_point, end_point,
-                                                                         target, additional_forward_args)
+        return _completeness_delta(self.model, attributions, start_point, end_point, target, additional_forward_args)
 
 
 class DeepLiftShap(DeepLift):

@@ -285,13 +285,20 @@ class IntegratedGradients(_GradientMethod):
         The sign is captum's for gradient methods, the opposite of
         :meth:`relprop.LRP.compute_convergence_delta` (explained minus attributed).
         """
-        ends = _format_inputs(end_point)
-        starts = _format_baselines(ends, start_point)
-        arguments = _forward_arguments(additional_forward_args)
-        with torch.no_grad():
-            explained = (_target_totals(self.forward_func(*ends, *arguments[0], **arguments[1]), target)
-                         - _target_totals(self.forward_func(*starts, *arguments[0], **arguments[1]), target))
-        return -convergence_delta(explained, attributions)
+        return _completeness_delta(self.forward_func, attributions, start_point, end_point, target,
+                                   additional_forward_args)
+
+
+def _completeness_delta(forward_func: Callable[..., Any], attributions: Inputs, start_point: Any, end_point: Inputs,
+                        target: Target, additional_forward_args: Any) -> Tensor:
+    """``attributions total - (f(end_point) - f(start_point))`` at the target, per example (captum's sign)."""
+    ends = _format_inputs(end_point)
+    starts = _format_baselines(ends, start_point)
+    arguments = _forward_arguments(additional_forward_args)
+    with torch.no_grad():
+        explained = (_target_totals(forward_func(*ends, *arguments[0], **arguments[1]), target)
+                     - _target_totals(forward_func(*starts, *arguments[0], **arguments[1]), target))
+    return -convergence_delta(explained, attributions)
 
 
 class Occlusion(Attribution):
