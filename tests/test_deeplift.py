@@ -3,8 +3,10 @@ references computed by hand where captum is wrong. float64."""
 import warnings
 
 import pytest
+import test_architectures as architectures
 import torch
 import torch.nn.functional as F
+import torchvision
 from torch import nn
 
 import relprop
@@ -247,7 +249,7 @@ def test_softmax_is_exact_where_captums_rule_is_not():
         assert_complete(model, x, baseline, 7, rtol=1e-12)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        theirs, delta = captum_attr.DeepLift(model).attribute(x, baseline, target=7, return_convergence_delta=True)
+        _, delta = captum_attr.DeepLift(model).attribute(x, baseline, target=7, return_convergence_delta=True)
     # captum's nn.Softmax rule (elementwise Rescale, minus the mean over the whole batch) misses: its delta is
     # (-0.2314, 0.1564) for f(x) - f(baseline) = (-0.6093, 0.1625)
     torch.testing.assert_close(delta, torch.tensor([-0.2314, 0.1564], dtype=D), rtol=0, atol=1e-4)
@@ -348,7 +350,6 @@ def test_layer_deeplift_on_a_cut_and_on_a_module_called_twice():
 
 
 def test_layer_deeplift_on_a_resnet_stage():
-    torchvision = pytest.importorskip("torchvision")
     model = torchvision.models.resnet18(weights=None, num_classes=4).to(D).eval()
     x, baseline = torch.randn(2, 3, 32, 32, dtype=D), torch.zeros(2, 3, 32, 32, dtype=D)
     stage = LayerDeepLift(model, "layer3").attribute(x, baseline, target=1)
@@ -409,12 +410,10 @@ def test_the_model_is_left_as_it_was():
 # ------------------------------------------------------------------ whole models
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", __import__("test_architectures").FAMILIES)
+@pytest.mark.parametrize("name", architectures.FAMILIES)
 def test_completeness_on_torchvision_families(name):
-    from test_architectures import TARGET, build, images
-
-    model, x = build(name), images(name)
-    assert_complete(model, x, 0.3 * torch.randn_like(x), TARGET)
+    model, x = architectures.build(name), architectures.images(name)
+    assert_complete(model, x, 0.3 * torch.randn_like(x), architectures.TARGET)
 
 
 class Embedded(nn.Module):
@@ -431,9 +430,8 @@ class Embedded(nn.Module):
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_completeness_on_a_tiny_llama(attention, monkeypatch):
     pytest.importorskip("transformers")
-    from transformers.models.llama import modeling_llama
-
     from test_transformers import IDS, build
+    from transformers.models.llama import modeling_llama
 
     model = build("llama", attention)
     embeddings = model.get_input_embeddings()(IDS).detach()

@@ -47,8 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import rules
-from .attribution import (LRP, Attribution, Inputs, Target, _as_tuple, _captum_entry, _forward_arguments,
-                          target_mask)
+from .attribution import LRP, Attribution, Inputs, Target, _as_tuple, _captum_entry, _forward_arguments, target_mask
 from .composites import Composite
 from .engine import ConservationWarning, RuleError, Session
 from .graph import OpCall, is_activation, write_into
@@ -543,7 +542,8 @@ class _Joint:
 
     def delta(self, attributions: Sequence[Tensor]) -> Tensor:
         """captum's delta per example: ``attributions total - (f(x) - f(x0))``."""
-        return sum(a.reshape(self.batch, -1).sum(1) for a in attributions) - self.difference  # type: ignore[return-value]
+        total = sum(a.reshape(self.batch, -1).sum(1) for a in attributions)
+        return total - self.difference  # type: ignore[return-value]
 
     def check(self, attributions: Sequence[Tensor]) -> Tensor:
         """:meth:`delta`, with a warning where it is more than rounding."""

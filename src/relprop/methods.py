@@ -413,4 +413,4 @@ def _window_masks(shape: torch.Size, window: tuple[int, ...], stride: tuple[int,
 
 
 # DeepLift runs on the engine with rules of its own (relprop.deeplift), which reads this module's helpers
-from .deeplift import DeepLift, DeepLiftShap, LayerDeepLift  # noqa: E402
+from .deeplift import DeepLift, DeepLiftShap, LayerDeepLift
