@@ -361,20 +361,36 @@ def test_layer_deeplift_on_a_resnet_stage():
 
 # ------------------------------------------------------------------ never silently wrong
 
+class Extremum(nn.Module):
+    def __init__(self, reduce):
+        super().__init__()
+        self.fc = with_weights(nn.Linear(4, 4), torch.eye(4), torch.zeros(4))
+        self.reduce = reduce
+
+    def forward(self, x):
+        return self.reduce(self.fc(x))
+
+
+def test_maxima_and_minima_along_a_dimension_by_hand():
+    x, baseline = torch.tensor([[1.0, 0.0, -1.0, 3.0]], dtype=D), torch.tensor([[0.0, 2.0, 1.0, -1.0]], dtype=D)
+    # max: y = 3 (entry 3), y0 = 2 (entry 1): max(y, y0) - y0 = 1 to entry 3, y - max(y, y0) = 0 to entry 1
+    for reduce in (lambda h: h.amax(1, keepdim=True), lambda h: torch.max(h, 1).values.unsqueeze(1),
+                   lambda h: h.max(dim=1, keepdim=True)[0]):
+        ours = assert_complete(Extremum(reduce).to(D).eval(), x, baseline, None)
+        torch.testing.assert_close(ours, torch.tensor([[0.0, 0.0, 0.0, 1.0]], dtype=D))
+    # min: y = -1 (entry 2), y0 = -1 (entry 3), both shares 0; and a difference that goes to the baseline's winner
+    ours = assert_complete(Extremum(lambda h: h.amin(1, keepdim=True)).to(D).eval(), x, baseline, None)
+    torch.testing.assert_close(ours, torch.zeros(1, 4, dtype=D))
+    ours = assert_complete(Extremum(lambda h: h.min(1, keepdim=True).values).to(D).eval(), x + 1.5, baseline, None)
+    # y = 0.5 (entry 2), y0 = -1 (entry 3): min(y, y0) - y0 = 0, y - min(y, y0) = 1.5 to entry 3 (x - x0 = 5.5)
+    torch.testing.assert_close(ours, torch.tensor([[0.0, 0.0, 0.0, 1.5]], dtype=D))
+
+
 def test_an_op_without_an_exact_rule_is_named():
-    class Amax(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.fc(x).amax(1, keepdim=True)
-
     # the winners differ (entries 3 and 1) and max(x) = max(x0) = 2, but the gradient gives x_3 - x0_3 = 3
     x, baseline = torch.tensor([[1.0, 0.0, -1.0, 2.0]], dtype=D), torch.tensor([[0.0, 2.0, 1.0, -1.0]], dtype=D)
-    model = Amax().to(D).eval()
-    with_weights(model.fc, torch.eye(4), torch.zeros(4))
-    with pytest.warns(relprop.ConservationWarning, match=r"Tensor.amax in module '<root>'"):
+    model = Extremum(lambda h: h.sort(1).values[:, -1:]).to(D).eval()
+    with pytest.warns(relprop.ConservationWarning, match=r"Tensor.sort in module '<root>'"):
         DeepLift(model).attribute(x, baseline)
 
 

@@ -25,13 +25,14 @@ layer/group/RMS norm            Rescale through its decomposition (centring, squ
                                 ``rsqrt``, product), closed form
 fused attention                 ``softmax(q k^T s + mask) @ v`` by the rules above
 max pooling                     captum's rule: per window, ``max(y, y0) - y0`` to the input's
-                                winner, ``y - max(y, y0)`` to the baseline's winner
+                                winner, ``y - max(y, y0)`` to the baseline's winner; also
+                                ``amax``, ``amin``, ``max``/``min`` along dimensions
 casts to a lower precision      Rescale (the rounding is a function too)
 ==============================  ==============================================================
 
-Ops that take a winner by value outside max pooling (``max``, ``amax``,
-``topk``, ``sort``, ...) are routing ops of the engine: their gradient
-is not exact for differences. Where the attributions then miss ``f(x) -
+Other ops that take a winner by value (``maximum(a, b)``, ``topk``,
+``sort``, ...) are routing ops of the engine: their gradient is not exact
+for differences. Where the attributions then miss ``f(x) -
 f(x0)``, a :class:`~relprop.engine.ConservationWarning` names them.
 """
 from __future__ import annotations
@@ -348,13 +349,14 @@ class AttentionRescale(_Paired):
 
 
 class MaxPoolRescale(_Paired):
-    """Max pooling by captum's rule, which is exact for differences.
+    """Max pooling, and maxima or minima along dimensions, by captum's max-pool rule, which is exact for differences.
 
     In each window ``max(y, y0) - y0 >= 0`` goes to the input's winner, which
     then has ``x - x0 >= y - y0 > 0`` where that is not 0, and ``y - max(y, y0) <= 0``
     to the baseline's winner (``x - x0 < 0`` there); each entry's multiplier
     is what it got divided by its ``x - x0``. The gradient through the input's
-    winner alone would give that winner ``y - x0`` at the winner, not ``y - y0``.
+    winner alone would give that winner ``y - x0``, not ``y - y0``. For
+    minima (``amin``), ``min(y, y0)`` takes the place of ``max(y, y0)``.
     """
 
     kinds = frozenset({"maxpool"})
@@ -364,7 +366,7 @@ class MaxPoolRescale(_Paired):
         x1, x0 = self.halves(call, x)
         y1, y0 = self.halves(call, call.output)
         m = self.halves(call, relevance)[0]
-        top = torch.maximum(y1, y0)
+        top = torch.minimum(y1, y0) if call.func in _MINIMA else torch.maximum(y1, y0)
         with torch.enable_grad():
             leaf = x.detach().requires_grad_()
             (routed,) = torch.autograd.grad(call._call(call.func, [leaf]), leaf,
@@ -424,8 +426,12 @@ _CASTS = frozenset({_T.to, _T.float, _T.half, _T.bfloat16, _T.type, _T.type_as})
 #: ops whose handling in the engine is not exact for differences: routing ops that pick entries by value (their
 #: gradient), vector norms (a sum there) and ``F.normalize`` (elementwise there)
 _INEXACT = frozenset([getattr(namespace, name) for namespace in (torch, _T)
-                      for name in "max min amax amin maximum minimum fmax fmin sort topk kthvalue median norm".split()
+                      for name in "max min maximum minimum fmax fmin sort topk kthvalue median norm".split()
                       if hasattr(namespace, name)] + [torch.linalg.norm, torch.linalg.vector_norm, F.normalize])
+#: maxima and minima along dimensions, run as op calls of kind "maxpool" (routing ops of the engine otherwise)
+_EXTREMA = {torch.amax: torch.amax, _T.amax: torch.amax, torch.amin: torch.amin, _T.amin: torch.amin,
+            torch.max: torch.amax, _T.max: torch.amax, torch.min: torch.amin, _T.min: torch.amin}
+_MINIMA = frozenset({torch.amin})
 
 
 #: elementwise ops run in place, and their out-of-place forms
@@ -439,9 +445,10 @@ _INPLACE_FLAG = frozenset(getattr(F, name) for name in "relu relu6 hardtanh leak
 
 
 class _DeepLiftSession(Session):
-    """The engine's mode, with three changes for DeepLift.
+    """The engine's mode, with four changes for DeepLift.
 
-    Casts that round are elementwise ops (Rescale makes them exact); ops
+    Casts that round are elementwise ops (Rescale makes them exact); maxima
+    and minima along dimensions are op calls of kind ``"maxpool"``; ops
     without an exact rule are noted with their module paths; elementwise ops
     in place run out of place and are written back after the op that reads
     the old values has kept a copy (the engine's own path lets the new op read
@@ -462,6 +469,8 @@ class _DeepLiftSession(Session):
             return super().__torch_function__(func, types, args, kwargs)
         if func in _IN_PLACE or func in _INPLACE_FLAG and _bind(func, args, kwargs).get("inplace"):
             return self._out_of_place(func, types, args, kwargs)
+        if func in _EXTREMA and (found := self._extremum(func, args, kwargs)) is not None:
+            return found
         out = super().__torch_function__(func, types, args, kwargs)
         if func in _INEXACT:
             self.inexact.append(f"{op_name(func)} in module '{self.module_name or '<root>'}'")
@@ -472,6 +481,27 @@ class _DeepLiftSession(Session):
             if func in _CASTS:
                 return self.run(OpCall("elementwise", func, args, kwargs, op_name(func), self.module_name))
         return out
+
+    def _extremum(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """``amax``/``amin``, and ``max``/``min`` along a dimension, as op calls with the max-pool rule.
+
+        None for the forms that are not a reduction along dimensions of one
+        activation (``max(a, b)``, ``max()`` of everything): the engine runs them.
+        """
+        names = ("input", "dim", "keepdim")
+        bound = {**dict(zip(names, args)), **kwargs}
+        if set(bound) - set(names) or "dim" not in bound or not isinstance(bound["dim"], (int, tuple, list)):
+            return None
+        reduce = _EXTREMA[func]
+        dim, keepdim = bound["dim"], bound.get("keepdim", False)
+        values = self.run(OpCall("maxpool", reduce, (bound["input"], dim, keepdim), {}, op_name(func),
+                                 self.module_name))
+        if func in (torch.amax, _T.amax, torch.amin, _T.amin):
+            return values
+        with torch.no_grad():  # max/min along a dimension also return where the extrema are
+            indices = func(bound["input"].detach(), dim, keepdim).indices
+        kind = torch.return_types.max if reduce is torch.amax else torch.return_types.min
+        return kind((values, indices))
 
     def _out_of_place(self, func: Callable, types: Any, args: tuple, kwargs: dict) -> Tensor:
         """An elementwise op in place, as its out-of-place form written into the target."""
