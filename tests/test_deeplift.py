@@ -472,3 +472,25 @@ def test_inside_captums_noise_tunnel():
     smoothed, delta = captum_attr.NoiseTunnel(method).attribute(x, nt_type="smoothgrad", nt_samples=3, stdevs=0.1,
                                                                 target=1, return_convergence_delta=True)
     assert smoothed.shape == x.shape and delta.shape == (6,) and delta.abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("norm", [lambda h: h.norm(dim=1, keepdim=True), lambda h: torch.norm(h, 3, (1,)).unsqueeze(1),
+                                  lambda h: torch.linalg.vector_norm(h, 1.5, dim=-1, keepdim=True)])
+def test_vector_norms_are_exact(norm):
+    class Normed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return self.out(h * norm(h))  # a global response normalisation's kind of gate
+
+    model = Normed().to(D).eval()
+    x, baseline = torch.randn(3, 3, dtype=D), torch.randn(3, 3, dtype=D)
+    assert_complete(model, x, baseline, 1, rtol=1e-12)
+    # the 2-norm by hand: m (h + h0) / (|h| + |h0|)
+    two = Extremum(lambda h: h.norm(dim=1, keepdim=True)).to(D).eval()  # h = x
+    x, baseline = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+    expected = (x + baseline) / (x.norm(dim=1, keepdim=True) + baseline.norm(dim=1, keepdim=True)) * (x - baseline)
+    torch.testing.assert_close(assert_complete(two, x, baseline, None, rtol=1e-12), expected)

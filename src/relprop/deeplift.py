@@ -23,6 +23,7 @@ softmax                         Rescale through its decomposition ``exp``, sum, 
                                 product (exact, closed form)
 layer/group/RMS norm            Rescale through its decomposition (centring, square, mean,
                                 ``rsqrt``, product), closed form
+vector p-norm along dimensions  Rescale through ``|x|^p``, sum, ``^(1/p)``, closed form
 fused attention                 ``softmax(q k^T s + mask) @ v`` by the rules above
 max pooling                     captum's rule: per window, ``max(y, y0) - y0`` to the input's
                                 winner, ``y - max(y, y0)`` to the baseline's winner; also
@@ -56,7 +57,7 @@ from .layer import _backward_to_taps, _one_or_list, _resolve, _Tapper
 from .ops import _bind, op_name
 
 __all__ = ["DeepLift", "DeepLiftShap", "LayerDeepLift", "DeepLiftComposite", "Rescale", "Multilinear", "Quotient",
-           "SoftmaxRescale", "NormRescale", "AttentionRescale", "MaxPoolRescale"]
+           "SoftmaxRescale", "NormRescale", "AttentionRescale", "MaxPoolRescale", "VectorNormRescale"]
 
 Arguments = tuple[tuple, dict]
 
@@ -376,6 +377,67 @@ class MaxPoolRescale(_Paired):
         return (_input_half(torch.where(dx == 0, 0.0, share / torch.where(dx == 0, 1.0, dx))),)
 
 
+#: vector norms and their parameter names in order (``_norm`` in :mod:`relprop.ops` makes them op calls of kind "sum")
+_NORMS: dict[Callable, tuple[str, ...]] = {
+    torch.norm: ("input", "p", "dim", "keepdim", "out", "dtype"),
+    torch.Tensor.norm: ("input", "p", "dim", "keepdim", "dtype"),
+    torch.linalg.vector_norm: ("input", "ord", "dim", "keepdim"),
+    torch.linalg.norm: ("input", "ord", "dim", "keepdim"),
+}
+
+
+def _norm_order(call: OpCall) -> tuple[float, tuple[int, ...], bool] | None:
+    """A vector norm's order, dimensions and keepdim, if it is a finite p-norm along given dimensions; else None."""
+    names = _NORMS.get(call.func)
+    if names is None:
+        return None
+    args, kwargs = _arguments(call)
+    bound = {**dict(zip(names, args)), **kwargs}
+    order = bound.get("p", bound.get("ord"))
+    order = 2.0 if order in (None, "fro") else order
+    dim = bound.get("dim")
+    if not isinstance(order, (int, float)) or not 0 < order < math.inf or dim is None:
+        return None
+    return float(order), (dim,) if isinstance(dim, int) else tuple(dim), bool(bound.get("keepdim", False))
+
+
+class VectorNormRescale(_Paired):
+    """A p-norm along dimensions by Rescale through ``(sum |x|^p)^(1/p)``, in closed form.
+
+    For ``p = 2`` the multiplier is ``m (x + x0) / (|x| + |x0|)``, with no
+    quotient of differences: ``(x^2 - x0^2) / (x - x0) = x + x0`` and
+    ``(n - n0) / (n^2 - n0^2) = 1 / (n + n0)``.
+    """
+
+    kinds = frozenset({"sum"})
+    needs_output = False
+
+    def accepts(self, call: OpCall) -> bool:
+        return call.kind == "sum" and len(call.inputs) == 1 and _norm_order(call) is not None
+
+    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        p, dims, keepdim = _norm_order(call)  # type: ignore[misc]  # accepts() said it is one
+        x1, x0 = self.halves(call, call.inputs[0])
+        m = self.halves(call, relevance)[0]
+        if not keepdim:
+            for dim in sorted(d % x1.dim() for d in dims):
+                m = m.unsqueeze(dim)
+        powers = [x.abs().pow(p) for x in (x1, x0)]
+        total1, total0 = (power.sum(dims, keepdim=True) for power in powers)
+        norm1, norm0 = total1.pow(1 / p), total0.pow(1 / p)
+        if p == 2:
+            outer, inner = 1 / torch.where(norm1 + norm0 == 0, 1.0, norm1 + norm0), x1 + x0
+        else:
+            dt, dx = total1 - total0, x1 - x0
+            tiny_total, tiny = _tiny(dt, total1, total0), _tiny(dx, x1, x0)
+            middle_total, middle = (total1 + total0) / 2, (x1 + x0) / 2
+            derivative = torch.where(middle_total > 0, middle_total, 1.0).pow(1 / p - 1) / p
+            outer = torch.where(tiny_total, derivative, (norm1 - norm0) / torch.where(tiny_total, 1.0, dt))
+            inner = torch.where(tiny, p * middle.abs().pow(p - 1) * middle.sign(),
+                                (powers[0] - powers[1]) / torch.where(tiny, 1.0, dx))
+        return (_input_half(m * outer * inner),)
+
+
 class DeepLiftComposite(Composite):
     """The DeepLift rule of every op, whatever ``module.rule`` or a preset says.
 
@@ -389,6 +451,7 @@ class DeepLiftComposite(Composite):
         super().__init__(0.0)
         self.pairs = pairs
         self._gradient = rules.Gradient()
+        self._vector_norm = VectorNormRescale(pairs)
         self._rules: dict[str, list[rules.Rule]] = {
             "elementwise": [Rescale(pairs)],
             "product": [Multilinear(pairs), Quotient(pairs), Rescale(pairs)],
@@ -404,6 +467,8 @@ class DeepLiftComposite(Composite):
         return None
 
     def rule_for(self, call: OpCall, module: nn.Module | None, name: str) -> tuple[rules.Rule | None, str]:
+        if call.kind == "sum" and self._vector_norm.accepts(call):
+            return self._vector_norm, "DeepLift"
         candidates = self._rules.get(call.kind)
         if candidates is None:  # linear in its activations: conv, dense, sums, BatchNorm
             return self._gradient, "DeepLift (linear)"
@@ -424,10 +489,11 @@ _T = torch.Tensor
 #: casts that may round: an elementwise function, Rescale'd when they lose precision
 _CASTS = frozenset({_T.to, _T.float, _T.half, _T.bfloat16, _T.type, _T.type_as})
 #: ops whose handling in the engine is not exact for differences: routing ops that pick entries by value (their
-#: gradient), vector norms (a sum there) and ``F.normalize`` (elementwise there)
+#: gradient) and ``F.normalize`` (elementwise there); a norm that is not a finite p-norm along given dimensions is
+#: noted by its rule
 _INEXACT = frozenset([getattr(namespace, name) for namespace in (torch, _T)
-                      for name in "max min maximum minimum fmax fmin sort topk kthvalue median norm".split()
-                      if hasattr(namespace, name)] + [torch.linalg.norm, torch.linalg.vector_norm, F.normalize])
+                      for name in "max min maximum minimum fmax fmin sort topk kthvalue median".split()
+                      if hasattr(namespace, name)] + [F.normalize])
 #: maxima and minima along dimensions, run as op calls of kind "maxpool" (routing ops of the engine otherwise)
 _EXTREMA = {torch.amax: torch.amax, _T.amax: torch.amax, torch.amin: torch.amin, _T.amin: torch.amin,
             torch.max: torch.amax, _T.max: torch.amax, torch.min: torch.amin, _T.min: torch.amin}
@@ -472,7 +538,7 @@ class _DeepLiftSession(Session):
         if func in _EXTREMA and (found := self._extremum(func, args, kwargs)) is not None:
             return found
         out = super().__torch_function__(func, types, args, kwargs)
-        if func in _INEXACT:
+        if func in _INEXACT or func in _NORMS and not self._vector_norm(out):
             self.inexact.append(f"{op_name(func)} in module '{self.module_name or '<root>'}'")
         narrower = (isinstance(out, Tensor) and out.is_floating_point() and args[0].is_floating_point()
                     and torch.finfo(out.dtype).eps > torch.finfo(args[0].dtype).eps)
@@ -481,6 +547,11 @@ class _DeepLiftSession(Session):
             if func in _CASTS:
                 return self.run(OpCall("elementwise", func, args, kwargs, op_name(func), self.module_name))
         return out
+
+    def _vector_norm(self, out: Any) -> bool:
+        """Whether ``out`` is the output of a norm that :class:`VectorNormRescale` propagates exactly."""
+        call = self.producers.get(out) if isinstance(out, Tensor) else None
+        return call is not None and call.rule is not None and isinstance(call.rule, VectorNormRescale)
 
     def _extremum(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """``amax``/``amin``, and ``max``/``min`` along a dimension, as op calls with the max-pool rule.
