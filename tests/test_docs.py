@@ -39,7 +39,7 @@ def test_block_runs(name: str, source: str):
 
 SECTIONS = {
     1: "Semantics", 2: "Rules for linear maps", 3: "Op families", 4: "Composites and presets", 5: "Transformers",
-    6: "Checks that hold for any correct implementation", 7: "Mechanism",
+    6: "Checks that hold for any correct implementation", 7: "Mechanism", 8: "DeepLift on the engine",
 }
 #: a citation of docs/design.md by section number ("design.md section 4", "design.md, section 4")
 _CITATION = re.compile(r"design\.md,? sections? (\w+)")

@@ -11,7 +11,8 @@ Modules: :mod:`relprop.rules` (how relevance crosses one op),
 :mod:`relprop.engine` (interception of torch functions),
 :mod:`relprop.attribution` (this public API), :mod:`relprop.layer` (relevance
 inside the model, concepts), :mod:`relprop.audit` (a per-op account),
-:mod:`relprop.methods` (gradient methods for comparison). Every attribution
+:mod:`relprop.methods` (gradient methods for comparison, and DeepLift on the
+engine: :mod:`relprop.deeplift`). Every attribution
 class follows captum's ``Attribution`` protocol, so captum's ``NoiseTunnel``
 and metrics take it.
 """
@@ -23,11 +24,13 @@ from .composites import Composite
 from .dataset import explain_dataset
 from .engine import ConservationWarning, RuleError, UnhandledOpWarning, UnsupportedOpError
 from .layer import LayerLRP, ModuleRelevance, module_relevance
+from .methods import DeepLift, DeepLiftShap, LayerDeepLift
 
 __all__ = [
     "LRP", "LayerLRP", "Contrastive", "explain_dataset", "module_relevance", "ModuleRelevance", "audit", "Audit",
     "Composite", "composites", "rules", "methods", "Attribution", "output_relevance", "convergence_delta",
     "model_logits",
-    "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning", "BiLRP",
+    "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning", "BiLRP", "DeepLift",
+    "DeepLiftShap", "LayerDeepLift",
 ]
 __version__ = "0.1.0"

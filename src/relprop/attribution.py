@@ -253,6 +253,8 @@ class LRP(Attribution):
     """
 
     multiplies_by_inputs = True
+    #: the engine's mode for one forward pass; a method that must see more ops than LRP does subclasses it
+    session_class: type[Session] = Session
 
     def __init__(self, model: nn.Module, composite: composites.Composite | str | None = None, strict: bool = False,
                  guard: bool = True):
@@ -289,7 +291,7 @@ class LRP(Attribution):
     @contextmanager
     def _session(self, taps: Any = None, audit: Any = None, token_inputs: tuple[Tensor, ...] = ()
                  ) -> Iterator[Session]:
-        session = Session(self.model, self.composite, self.strict, taps=taps, audit=audit, token_inputs=token_inputs,
+        session = self.session_class(self.model, self.composite, self.strict, taps=taps, audit=audit, token_inputs=token_inputs,
                           guard=self.guard)
         with torch.enable_grad(), session.active(), hold_selective_parameters(self.model):
             yield session

@@ -24,7 +24,8 @@ from torch import Tensor
 from .attribution import (Attribution, Inputs, Target, _as_tuple, _captum_entry, _forward_arguments,
                           convergence_delta, model_logits, target_mask)
 
-__all__ = ["InputGradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "Occlusion"]
+__all__ = ["InputGradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "Occlusion", "DeepLift",
+           "DeepLiftShap", "LayerDeepLift"]
 
 Arguments = tuple[tuple, dict]  # positional and keyword arguments after the inputs
 _CHUNK = 256  # examples per forward pass where a method runs many copies and the caller does not say
@@ -284,13 +285,20 @@ class IntegratedGradients(_GradientMethod):
         The sign is captum's for gradient methods, the opposite of
         :meth:`relprop.LRP.compute_convergence_delta` (explained minus attributed).
         """
-        ends = _format_inputs(end_point)
-        starts = _format_baselines(ends, start_point)
-        arguments = _forward_arguments(additional_forward_args)
-        with torch.no_grad():
-            explained = (_target_totals(self.forward_func(*ends, *arguments[0], **arguments[1]), target)
-                         - _target_totals(self.forward_func(*starts, *arguments[0], **arguments[1]), target))
-        return -convergence_delta(explained, attributions)
+        return _completeness_delta(self.forward_func, attributions, start_point, end_point, target,
+                                   additional_forward_args)
+
+
+def _completeness_delta(forward_func: Callable[..., Any], attributions: Inputs, start_point: Any, end_point: Inputs,
+                        target: Target, additional_forward_args: Any) -> Tensor:
+    """``attributions total - (f(end_point) - f(start_point))`` at the target, per example (captum's sign)."""
+    ends = _format_inputs(end_point)
+    starts = _format_baselines(ends, start_point)
+    arguments = _forward_arguments(additional_forward_args)
+    with torch.no_grad():
+        explained = (_target_totals(forward_func(*ends, *arguments[0], **arguments[1]), target)
+                     - _target_totals(forward_func(*starts, *arguments[0], **arguments[1]), target))
+    return -convergence_delta(explained, attributions)
 
 
 class Occlusion(Attribution):
@@ -402,3 +410,7 @@ def _window_masks(shape: torch.Size, window: tuple[int, ...], stride: tuple[int,
         mask[tuple(slice(c, c + w) for c, w in zip(corner, window))] = True
         masks.append(mask)
     return masks
+
+
+# DeepLift runs on the engine with rules of its own (relprop.deeplift), which reads this module's helpers
+from .deeplift import DeepLift, DeepLiftShap, LayerDeepLift
