@@ -4,7 +4,8 @@
 
 Builds the same model as ``bench.py`` (``transformer_case``), times a plain forward + backward to the input
 embeddings, then patches the model's classes the way LXT 2.1's ``lxt.efficient`` AttnLRP patches do and times
-LXT's attribution (the gradient of the patched model times the input embeddings, summed per token), both as
+LXT's attribution (the gradient of the patched model, seeded with 1 at the target, times the input
+embeddings, summed per token), both as
 medians of ``ROUNDS`` after a warm-up. Writes ``{"gradient": s, "lxt": s, "relevance": tokens}`` to ``OUT``.
 
 LXT 2.1's ``lxt.efficient`` package imports its own copy of transformers 4.x's BERT code at import time, which
@@ -24,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
+from relprop.attribution import target_mask  # noqa: E402
 
 
 def load_lxt() -> tuple[types.ModuleType, types.ModuleType]:
@@ -84,7 +86,8 @@ def main() -> None:
 
     def gradient_of(embeds: torch.Tensor) -> torch.Tensor:
         logits = model(inputs_embeds=embeds).logits
-        seed = bench.relprop.output_relevance(logits, target)
+        # seed 1 at the target: gradient x input of the patched model already carries the logit's value
+        seed = target_mask(logits.detach(), target).to(logits.dtype)
         return torch.autograd.grad(logits, embeds, seed)[0]
 
     found = {"gradient": bench.interleaved({"gradient": gradient}, int(rounds), device)["gradient"]}
