@@ -5,7 +5,7 @@
 # mlxtend is installed). Run from the repository root:
 #
 #     OUT=gpu_out bash benchmarks/gpu.sh              # on the GPU
-#     DEVICE=cpu SMOKE=1 bash benchmarks/gpu.sh       # the same steps on tiny settings, to check the script
+#     DEVICE=cpu SMOKE=1 bash benchmarks/gpu.sh       # the same steps on tiny settings (no targets), to check it
 #
 # Every step has its own time limit, so that one slow step cannot take the others' time; each writes its log
 # (stdout and stderr) to "$OUT"/NAME.log and its exit status to "$OUT"/status.txt. zennit, captum and lxt are
@@ -19,12 +19,14 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${SMOKE:-0}" = 1 ]; then
     MODELS="--models resnet18 --batches 1 --size 32 --transformers"
     EXTRA="--rounds 1"
+    TARGETS=""
     DATA="--samples 16 --batch 8 --size 32 --rounds 1"
     MNIST="--samples 64 --batch 32 --rounds 1"
     LIMIT=1
 else
     MODELS="--models vgg16 resnet50 --batches 1 16 --transformers llama bert"
     EXTRA="--rounds 5"
+    TARGETS="--targets"
     DATA="--samples 1024 --rounds 3"
     MNIST="--samples 4096 --rounds 3"
     LIMIT=0
@@ -45,9 +47,9 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND with a time limit, log to 
 'torchvision', torchvision.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda,
 'available', torch.cuda.is_available())"; } > "$OUT/machine.log" 2>&1
 step bench-float32 150 "$PYTHON" benchmarks/bench.py --device "$DEVICE" --dtype float32 $MODELS $EXTRA \
-    --with guard --per-op --targets
+    --with guard --per-op $TARGETS
 step bench-bfloat16 130 "$PYTHON" benchmarks/bench.py --device "$DEVICE" --dtype bfloat16 $MODELS $EXTRA \
-    --with --per-op --targets
+    --with --per-op $TARGETS
 step dataset-resnet18-float32 50 "$PYTHON" benchmarks/dataset_throughput.py "$OUT/scratch" --case resnet18 \
     --device "$DEVICE" --dtype float32 $DATA
 step dataset-resnet18-bfloat16 40 "$PYTHON" benchmarks/dataset_throughput.py "$OUT/scratch" --case resnet18 \
