@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torchvision
@@ -181,7 +182,8 @@ def time_all(name: str, batch: int, size: int, rounds: int, which: list[str], de
                        device, trim)
 
 
-def build_transformer(name: str, hidden: int | None = None, layers: int | None = None):
+def build_transformer(name: str, hidden: int | None = None,
+                      layers: int | None = None) -> tuple[torch.nn.Module, int | tuple[int, int]]:
     """A Llama-style decoder or a BERT classifier from its config (random weights), and its target.
 
     Without ``hidden`` and ``layers``: a Llama of hidden 512 and 8 layers, and BERT-base. With them, heads of
@@ -208,7 +210,8 @@ def build_transformer(name: str, hidden: int | None = None, layers: int | None =
 
 
 def transformer_case(name: str, batch: int, length: int, device: str, dtype: torch.dtype = torch.float32,
-                     hidden: int | None = None, layers: int | None = None):
+                     hidden: int | None = None, layers: int | None = None
+                     ) -> tuple[Any, torch.Tensor, int | tuple[int, int], Callable[[], torch.Tensor]]:
     """The model on ``device`` in ``dtype``, random token ids, the target, and its plain forward + backward."""
     model, target = build_transformer(name, hidden, layers)
     model = model.to(device, dtype)
@@ -255,7 +258,7 @@ class _CountOps(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.count = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         self.count += 1
         return func(*args, **(kwargs or {}))
 
