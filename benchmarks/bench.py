@@ -10,7 +10,10 @@ a figure that does not move with the machine's load, and on a CPU the memory
 the kernel faults in page by page. On CUDA (``--device cuda``, the default
 where a GPU is present) every timed run ends with a synchronisation, and peak
 memory is the CUDA allocator's peak above the memory allocated before the run.
-``python benchmarks/bench.py --help`` lists the options.
+``--dtype bfloat16`` runs models and inputs in that dtype. ``--per-op`` reports
+relprop's fixed cost per intercepted op, ``--targets`` the cases of the speed
+targets, and ``--with lxt`` times LXT's AttnLRP in its own process (see
+``lxt_child.py``). ``python benchmarks/bench.py --help`` lists the options.
 """
 from __future__ import annotations
 
@@ -19,14 +22,17 @@ import copy
 import ctypes
 import ctypes.util
 import functools
+import importlib.util
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torchvision
@@ -39,14 +45,30 @@ PRESETS = ["epsilon", "epsilon-plus", "epsilon-plus-flat", "epsilon-alpha2-beta1
 ZENNIT = {"epsilon-plus": "EpsilonPlus", "epsilon-plus-flat": "EpsilonPlusFlat",
           "epsilon-alpha2-beta1": "EpsilonAlpha2Beta1", "epsilon-gamma-box": "EpsilonGammaBox"}
 BOUNDS = {"low": -3.0, "high": 3.0}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+#: the references each need a package that a machine may lack (a GPU box without zennit or captum)
+REFERENCE_PACKAGES = {"zennit": "zennit", "captum": "captum"}
 
 
-def setup(name: str, batch: int, size: int, device: str) -> tuple[torch.nn.Module, torch.Tensor, list[int]]:
+def setup(name: str, batch: int, size: int, device: str,
+          dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.Tensor, list[int]]:
     """A torchvision model with random weights, a random input batch and a target class per sample."""
     torch.manual_seed(0)
-    model = torchvision.models.get_model(name, weights=None).eval().to(device)
-    x = torch.randn(batch, 3, size, size, device=device)
+    model = torchvision.models.get_model(name, weights=None).eval().to(device, dtype)
+    x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
     return model, x, torch.randint(0, 1000, (batch,)).tolist()
+
+
+def installed(which: list[str]) -> list[str]:
+    """``which`` without the references whose package is not installed (said on stderr)."""
+    kept = []
+    for name in which:
+        package = REFERENCE_PACKAGES.get(name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            print(f"bench.py: {package} is not installed: its rows are left out", file=sys.stderr)
+            continue
+        kept.append(name)
+    return kept
 
 
 @functools.cache
@@ -101,7 +123,7 @@ def zennit_method(model, preset, name):
 
     def run(m, x, target):
         with Gradient(model=reference, composite=composite) as attributor:
-            return attributor(x, torch.eye(1000, device=device)[target])[1]
+            return attributor(x, torch.eye(1000, device=device, dtype=x.dtype)[target])[1]
     return run
 
 
@@ -140,54 +162,166 @@ def methods(model, name: str, which: list[str]) -> dict[str, Callable]:
     return table
 
 
-def time_all(name: str, batch: int, size: int, rounds: int, which: list[str], device: str,
-             trim: bool = False) -> dict[str, float]:
-    model, x, target = setup(name, batch, size, device)
-    table = methods(model, name, which)
-    for run in table.values():  # warm-up
-        run(model, x, target)
-    times = {key: [] for key in table}
-    for _ in range(rounds):
-        for key, run in table.items():
-            times[key].append(timed(device, run, model, x, target, trim=trim))
-    return {key: statistics.median(values) for key, values in times.items()}
-
-
-def build_transformer(name: str):
-    """A Llama-style decoder or BERT-base from its config (random weights), and its target."""
-    import transformers
-
-    torch.manual_seed(0)
-    if name == "llama":
-        config = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376,
-                                          num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8)
-        return transformers.LlamaForCausalLM(config).eval(), (-1, 42)
-    return transformers.BertForSequenceClassification(transformers.BertConfig()).eval(), 1
-
-
-def time_transformer(name: str, batch: int, length: int, rounds: int, device: str,
-                     trim: bool = False) -> dict[str, float]:
-    """Plain forward + backward to the input embeddings against AttnLRP / CP-LRP to the tokens."""
-    model, target = build_transformer(name)
-    model = model.to(device)
-    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
-
-    def gradient():
-        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-        logits = model(inputs_embeds=embeds).logits
-        torch.autograd.grad(logits, embeds, relprop.output_relevance(logits, target))
-
-    table = {"gradient": gradient}
-    for preset in ("attnlrp", "cp-lrp"):
-        lrp = relprop.LRP(model, preset)
-        table[f"relprop {preset}"] = lambda lrp=lrp: lrp.attribute(ids, target=target)
+def interleaved(table: dict[str, Callable[[], object]], rounds: int, device: str,
+                trim: bool = False) -> dict[str, float]:
+    """Median seconds of each run of ``table``, after one warm-up call each, the runs taking turns round by round."""
     for run in table.values():
         run()
-    times = {key: [] for key in table}
+    times: dict[str, list[float]] = {key: [] for key in table}
     for _ in range(rounds):
         for key, run in table.items():
             times[key].append(timed(device, run, trim=trim))
     return {key: statistics.median(values) for key, values in times.items()}
+
+
+def time_all(name: str, batch: int, size: int, rounds: int, which: list[str], device: str,
+             trim: bool = False, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    model, x, target = setup(name, batch, size, device, dtype)
+    table = methods(model, name, which)
+    return interleaved({key: functools.partial(run, model, x, target) for key, run in table.items()}, rounds,
+                       device, trim)
+
+
+def build_transformer(name: str, hidden: int | None = None,
+                      layers: int | None = None) -> tuple[torch.nn.Module, int | tuple[int, int]]:
+    """A Llama-style decoder or a BERT classifier from its config (random weights), and its target.
+
+    Without ``hidden`` and ``layers``: a Llama of hidden 512 and 8 layers, and BERT-base. With them, heads of
+    64 features (at least 1) and an MLP of 4x (BERT) or 8/3x (Llama) the hidden size.
+    """
+    import transformers
+
+    torch.manual_seed(0)
+    sizes: dict[str, int] = {}
+    if hidden is not None:
+        sizes = {"hidden_size": hidden, "num_attention_heads": max(1, hidden // 64),
+                 "intermediate_size": 4 * hidden if name == "bert" else 8 * hidden // 3}
+    if layers is not None:
+        sizes["num_hidden_layers"] = layers
+    if name == "llama":
+        heads = sizes.get("num_attention_heads", 8)
+        config = transformers.LlamaConfig(**{"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1376,
+                                             "num_hidden_layers": 8, "num_attention_heads": 8, **sizes,
+                                             "num_key_value_heads": heads})
+        return transformers.LlamaForCausalLM(config).eval(), (-1, 42)
+    if name == "bert":
+        return transformers.BertForSequenceClassification(transformers.BertConfig(**sizes)).eval(), 1
+    raise SystemExit(f"bench.py: unknown transformer '{name}' (llama, bert)")
+
+
+def transformer_case(name: str, batch: int, length: int, device: str, dtype: torch.dtype = torch.float32,
+                     hidden: int | None = None, layers: int | None = None
+                     ) -> tuple[Any, torch.Tensor, int | tuple[int, int], Callable[[], torch.Tensor]]:
+    """The model on ``device`` in ``dtype``, random token ids, the target, and its plain forward + backward."""
+    model, target = build_transformer(name, hidden, layers)
+    model = model.to(device, dtype)
+    torch.manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+
+    def gradient() -> torch.Tensor:
+        """Forward and backward to the input embeddings: the gradient, as LXT's attributions start from."""
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+        logits = model(inputs_embeds=embeds).logits
+        return torch.autograd.grad(logits, embeds, relprop.output_relevance(logits, target))[0]
+    return model, ids, target, gradient
+
+
+def time_transformer(name: str, batch: int, length: int, rounds: int, device: str, trim: bool = False,
+                     dtype: torch.dtype = torch.float32, hidden: int | None = None, layers: int | None = None,
+                     presets: tuple[str, ...] = ("attnlrp", "cp-lrp")) -> dict[str, float]:
+    """Plain forward + backward to the input embeddings against AttnLRP / CP-LRP to the tokens."""
+    model, ids, target, gradient = transformer_case(name, batch, length, device, dtype, hidden, layers)
+    table: dict[str, Callable[[], object]] = {"gradient": gradient}
+    for preset in presets:
+        lrp = relprop.LRP(model, preset)
+        table[f"relprop {preset}"] = functools.partial(lrp.attribute, ids, target=target)
+    return interleaved(table, rounds, device, trim)
+
+
+class TinyOps(torch.nn.Module):
+    """``blocks`` residual blocks ``h + relu(linear(h))`` on ``width`` features: many ops, each almost free."""
+
+    def __init__(self, blocks: int = 200, width: int = 8):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(blocks))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = h + torch.relu(layer(h))
+        return h
+
+
+class _CountOps(torch.overrides.TorchFunctionMode):
+    """Counts the torch function calls of a forward pass: the ops relprop intercepts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def per_op(rounds: int, device: str, dtype: torch.dtype, preset: str = "epsilon",
+           blocks: int = 200) -> tuple[int, dict[str, float]]:
+    """Ops a forward pass of :class:`TinyOps` calls, and the median seconds of a gradient and of relprop on it."""
+    torch.manual_seed(0)
+    model = TinyOps(blocks).eval().to(device, dtype)
+    x = torch.randn(1, 8, device=device, dtype=dtype)
+    with torch.no_grad(), _CountOps() as counter:
+        model(x)
+    lrp = relprop.LRP(model, preset)
+    table = {"gradient": functools.partial(plain_gradient, model, x, [0]),
+             f"relprop {preset}": functools.partial(lrp.attribute, x, target=[0])}
+    return counter.count, interleaved(table, rounds, device)
+
+
+#: the issue's speed targets: (case, what it runs, target ratio)
+TARGETS = [("ResNet18, 64 px, batch 2: EpsilonPlusFlat / gradient", "resnet18", 1.8),
+           ("Llama hidden 64, 2 layers, 16 tokens: AttnLRP / forward+backward", (64, 2, 16), 1.5),
+           ("Llama hidden 256, 4 layers, 128 tokens: AttnLRP / forward+backward", (256, 4, 128), 1.25)]
+
+
+def target_ratios(rounds: int, device: str, dtype: torch.dtype) -> list[tuple[str, float, float, float]]:
+    """Each target case: its name, the reference's and relprop's median seconds, and the target ratio."""
+    found = []
+    for case, spec, goal in TARGETS:
+        if spec == "resnet18":
+            model, x, target = setup("resnet18", 2, 64, device, dtype)
+            times = interleaved({"reference": functools.partial(plain_gradient, model, x, target),
+                                 "relprop": functools.partial(relprop_method(model, "epsilon-plus-flat"),
+                                                              model, x, target)}, rounds, device)
+        else:
+            hidden, layers, length = spec
+            model, ids, target, gradient = transformer_case("llama", 1, length, device, dtype, hidden, layers)
+            lrp = relprop.LRP(model, "attnlrp")
+            times = interleaved({"reference": gradient,
+                                 "relprop": functools.partial(lrp.attribute, ids, target=target)}, rounds, device)
+        found.append((case, times["reference"], times["relprop"], goal))
+    return found
+
+
+def lxt_side_by_side(name: str, hidden: int, layers: int, length: int, rounds: int, device: str,
+                     dtype: torch.dtype, python: str) -> dict[str, float]:
+    """Median seconds of a gradient, relprop's AttnLRP and LXT's, interleaved in LXT's own process (``python``
+    runs ``lxt_child.py``), and how far the relevances differ, relative to the largest.
+
+    "relprop here / there" compares relprop's relevance in this process (no LXT) with the one it gave in
+    LXT's process, where LXT's patches come on and off around each LXT run: 0 if they left nothing behind.
+    """
+    model, ids, target, _ = transformer_case(name, 1, length, device, dtype, hidden, layers)
+    here = relprop.LRP(model, "attnlrp").attribute(ids, target=target).detach().double().cpu()
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "lxt.pt")
+        subprocess.run([python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lxt_child.py"), name,
+                        str(hidden), str(layers), str(length), str(rounds), device, str(dtype).split(".")[-1], out],
+                       check=True)
+        child = torch.load(out)
+    scale = here.abs().max().item() or 1.0
+    return {"gradient": child["gradient"], "relprop": child["relprop"], "lxt": child["lxt"],
+            "relprop / lxt": (child["relprop relevance"] - child["lxt relevance"]).abs().max().item() / scale,
+            "relprop here / there": (here - child["relprop relevance"]).abs().max().item() / scale}
 
 
 class _NewTensors(TorchDispatchMode):
@@ -211,9 +345,10 @@ class _NewTensors(TorchDispatchMode):
         return out
 
 
-def new_tensors(name: str, batch: int, size: int, which: list[str], device: str) -> dict[str, float]:
+def new_tensors(name: str, batch: int, size: int, which: list[str], device: str,
+                dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """MiB of new tensors of 1 MiB or more in one run of each method (after a warm-up run)."""
-    model, x, target = setup(name, batch, size, device)
+    model, x, target = setup(name, batch, size, device, dtype)
     found = {}
     for key, run in methods(model, name, which).items():
         if "compile" in key:  # compiled code runs below the dispatcher's Python modes
@@ -231,9 +366,10 @@ def _status(field: str) -> int:
         return next(int(line.split()[1]) for line in handle if line.startswith(field + ":"))
 
 
-def peak_memory_child(name: str, batch: int, size: int, key: str, which: list[str], device: str) -> None:
+def peak_memory_child(name: str, batch: int, size: int, key: str, which: list[str], device: str,
+                      dtype: torch.dtype = torch.float32) -> None:
     """Print the peak memory of one run of method ``key`` above the memory before it, in KiB."""
-    model, x, target = setup(name, batch, size, device)
+    model, x, target = setup(name, batch, size, device, dtype)
     run = methods(model, name, which)[key]
     run(model, x, target)  # warm-up: allocator caches, lazy initialisation
     if device.startswith("cuda"):
@@ -251,16 +387,51 @@ def peak_memory_child(name: str, batch: int, size: int, key: str, which: list[st
     print(json.dumps(_status("VmHWM") - before))
 
 
-def peak_memory(name: str, batch: int, size: int, key: str, which: list[str], device: str) -> float:
+def peak_memory(name: str, batch: int, size: int, key: str, which: list[str], device: str,
+                dtype: torch.dtype = torch.float32) -> float:
     # large blocks mmapped, so that freed tensors leave the resident memory at once and RSS tracks live memory
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, __file__, "--memory-child", name, str(batch), str(size), key,
-                          "--with", *which, "--device", device], capture_output=True, text=True, check=True, env=env)
+                          "--with", *which, "--device", device, "--dtype", str(dtype).split(".")[-1]],
+                         capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1]) / 1024
 
 
 def ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}" if base > 0 else "-"  # small inputs: the gradient may allocate no large tensor
+
+
+def print_per_op(rounds: int, device: str, dtype: torch.dtype) -> None:
+    ops, times = per_op(rounds, device, dtype)
+    extra = times["relprop epsilon"] - times["gradient"]
+    print("\n## Fixed cost per op: 200 blocks h + relu(linear(h)), 8 features, batch 1\n")
+    print("| ops intercepted | gradient (ms) | relprop epsilon (ms) | x gradient | overhead per op (us) |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| {ops} | {times['gradient'] * 1e3:.2f} | {times['relprop epsilon'] * 1e3:.2f} | "
+          f"{ratio(times['relprop epsilon'], times['gradient'])} | {extra / ops * 1e6:.1f} |", flush=True)
+
+
+def print_targets(rounds: int, device: str, dtype: torch.dtype) -> None:
+    print("\n## The speed targets\n\n| case | reference (ms) | relprop (ms) | ratio | target |\n| --- | --- | --- | --- "
+          "| --- |")
+    for case, reference, ours, goal in target_ratios(rounds, device, dtype):
+        print(f"| {case} | {reference * 1e3:.1f} | {ours * 1e3:.1f} | {ratio(ours, reference)} | <= {goal} |",
+              flush=True)
+
+
+def print_lxt(args: argparse.Namespace, dtype: torch.dtype) -> None:
+    print(f"\n## AttnLRP: relprop / LXT ({args.lxt_tokens} tokens, batch 1, interleaved in LXT's own process)\n")
+    print("| model | forward+backward (ms) | relprop (ms) | LXT (ms) | relprop / LXT | LXT / forward+backward "
+          "| max abs difference / max abs relevance | relprop in LXT's process / in its own |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for spec in args.lxt_models:
+        name, hidden, layers = spec.split(":")
+        found = lxt_side_by_side(name, int(hidden), int(layers), args.lxt_tokens, args.rounds, args.device, dtype,
+                                 args.lxt_python)
+        print(f"| {name}, hidden {hidden}, {layers} layers | {found['gradient'] * 1e3:.1f} | "
+              f"{found['relprop'] * 1e3:.1f} | {found['lxt'] * 1e3:.1f} | {ratio(found['relprop'], found['lxt'])} | "
+              f"{ratio(found['lxt'], found['gradient'])} | {found['relprop / lxt']:.1e} | "
+              f"{found['relprop here / there']:.1e} |", flush=True)
 
 
 def main() -> None:
@@ -273,9 +444,22 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--with", dest="which", nargs="*", default=["zennit", "captum", "compile"],
-                        help="references to include: zennit captum compile guard (relprop without its conservation guard)")
+                        help="references to include: zennit captum compile guard (relprop without its conservation "
+                             "guard) lxt (LXT's AttnLRP in its own process, see --lxt-python); zennit and captum are "
+                             "left out where not installed")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, or cuda (the default where a GPU is present)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="of the models and their inputs")
+    parser.add_argument("--per-op", action="store_true",
+                        help="also relprop's fixed cost per intercepted op, on many tiny ops")
+    parser.add_argument("--targets", action="store_true",
+                        help="also the speed targets: ResNet18 64 px batch 2 EpsilonPlusFlat, small Llamas AttnLRP")
+    parser.add_argument("--lxt-python", default=sys.executable,
+                        help="the Python that has lxt installed (with --with lxt)")
+    parser.add_argument("--lxt-models", nargs="+", default=["llama:256:4", "bert:256:4", "llama:1024:4",
+                                                            "bert:1024:4"],
+                        help="NAME:HIDDEN:LAYERS of the models compared with LXT")
+    parser.add_argument("--lxt-tokens", type=int, default=128)
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (one subprocess each)")
     parser.add_argument("--allocations", action="store_true",
                         help="also add up the new tensors of 1 MiB or more of one run")
@@ -284,24 +468,34 @@ def main() -> None:
                              "that every method starts from the same allocator state")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"bench.py: --device {args.device}, but torch {torch.__version__} sees no CUDA device")
     if args.trim:
         trim_heap()  # before minutes of warm-up: a C library without malloc_trim stops the run here
     if args.memory_child:
         name, batch, size, key = args.memory_child
-        peak_memory_child(name, int(batch), int(size), key, args.which, args.device)
+        peak_memory_child(name, int(batch), int(size), key, args.which, args.device, dtype)
         return
+    which = installed(args.which)
 
     machine = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else \
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     print(f"# {machine}, torch "
-          f"{torch.__version__}, torchvision {torchvision.__version__}, float32, {args.size}x{args.size}, "
+          f"{torch.__version__}, torchvision {torchvision.__version__}, {args.dtype}, {args.size}x{args.size}, "
           f"median of {args.rounds} rounds, huge pages for large tensors (THP_MEM_ALLOC_ENABLE): "
           f"{'on' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else 'off'}, glibc malloc settings: "
           f"{' '.join(f'{k}={v}' for k, v in sorted(os.environ.items()) if k.startswith('MALLOC_')) or 'none'}"
-          f"{', heap trimmed before each timed run' if args.trim else ''}")
+          f"{', heap trimmed before each timed run' if args.trim else ''}", flush=True)
+    if args.per_op:
+        print_per_op(args.rounds, args.device, dtype)
+    if args.targets:
+        print_targets(args.rounds, args.device, dtype)
+    if "lxt" in which:
+        print_lxt(args, dtype)
     for name in args.models:
         for batch in args.batches:
-            times = time_all(name, batch, args.size, args.rounds, args.which, args.device, args.trim)
+            times = time_all(name, batch, args.size, args.rounds, which, args.device, args.trim, dtype)
             base = times["gradient"]
             print(f"\n## {name}, batch {batch}\n")
             header = "| method | time (s) | x gradient |" + (" peak MiB | x gradient |" if args.memory else "") \
@@ -309,14 +503,14 @@ def main() -> None:
             print(header)
             print("|" + "|".join([" --- "] * (header.count("|") - 1)) + "|")
             measure = (name, batch, args.size)
-            memory_base = peak_memory(*measure, "gradient", args.which, args.device) if args.memory else None
-            allocated = new_tensors(*measure, args.which, args.device) if args.allocations else {}
+            memory_base = peak_memory(*measure, "gradient", which, args.device, dtype) if args.memory else None
+            allocated = new_tensors(*measure, which, args.device, dtype) if args.allocations else {}
             for key, seconds in times.items():
                 row = f"| {key} | {seconds:.3f} | {ratio(seconds, base)} |"
                 if args.memory and "compile" in key:  # a fresh process would spend minutes compiling
                     row += " - | - |"
                 elif args.memory:
-                    peak = peak_memory(*measure, key, args.which, args.device)
+                    peak = peak_memory(*measure, key, which, args.device, dtype)
                     row += f" {peak:.0f} | {ratio(peak, memory_base)} |"
                 if args.allocations:
                     row += f" {allocated[key]:.0f} | {ratio(allocated[key], allocated['gradient'])} |" \
@@ -324,7 +518,7 @@ def main() -> None:
                 print(row, flush=True)
     for name in args.transformers:
         for batch in args.transformer_batches:
-            times = time_transformer(name, batch, 128, args.rounds, args.device, args.trim)
+            times = time_transformer(name, batch, 128, args.rounds, args.device, args.trim, dtype)
             print(f"\n## {name} (from config), batch {batch}, 128 tokens\n")
             print("| method | time (s) | x forward+backward |\n| --- | --- | --- |")
             for key, seconds in times.items():

@@ -1,4 +1,5 @@
 """The benchmark script (benchmarks/bench.py): its allocation count, and one small run end to end."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,86 @@ def test_a_small_run_prints_every_method_with_its_ratios(options):
     for method in methods:
         seconds, ratio, allocated, _ = (cell.strip() for cell in rows[method])
         assert float(seconds) > 0 and float(ratio) > 0 and float(allocated) >= 0
+
+
+def test_the_per_op_model_calls_three_ops_a_block_and_relprop_costs_more_than_a_gradient():
+    ops, times = bench.per_op(rounds=1, device="cpu", dtype=torch.float32, blocks=20)
+    assert ops == 3 * 20  # linear, relu and + in every block
+    assert set(times) == {"gradient", "relprop epsilon"} and min(times.values()) > 0
+
+
+def test_references_whose_package_is_missing_are_left_out(monkeypatch, capsys):
+    monkeypatch.setitem(bench.REFERENCE_PACKAGES, "zennit", "relprop_no_such_package")
+    assert bench.installed(["zennit", "captum", "guard"]) == ["captum", "guard"]
+    assert "relprop_no_such_package is not installed" in capsys.readouterr().err
+
+
+def test_transformer_sizes_come_from_hidden_and_layers():
+    model, target = bench.build_transformer("llama", hidden=128, layers=3)
+    config = model.config
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (128, 3, 2)
+    assert config.num_key_value_heads == 2 and target == (-1, 42)
+    with pytest.raises(SystemExit, match="unknown transformer 'gpt'"):
+        bench.build_transformer("gpt")
+
+
+def test_lxt_patches_come_off_after_each_run_also_on_an_error():
+    import lxt_child
+
+    class Base:
+        def forward(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    table = {"sdpa": "original"}
+    changes = [(Child, "forward", lambda self: "patched"), (table, "sdpa", "wrapped")]
+    with lxt_child.patched(changes):
+        assert Child().forward() == "patched" and table["sdpa"] == "wrapped"
+    assert Child().forward() == "base" and "forward" not in Child.__dict__ and table == {"sdpa": "original"}
+    with pytest.raises(ZeroDivisionError), lxt_child.patched(changes):
+        1 / 0
+    assert Child().forward() == "base" and table == {"sdpa": "original"}
+
+
+def test_the_gradient_loop_writes_each_samples_input_gradient_in_shards(tmp_path):
+    import dataset_throughput
+    from relprop import demo, output_relevance
+    from relprop.dataset import load_shard
+
+    torch.manual_seed(0)
+    model = demo.SmallCNN().eval()
+    images = torch.rand(10, 1, 28, 28)
+    dataset = torch.utils.data.TensorDataset(images, torch.zeros(10, dtype=torch.long))
+    dataset_throughput.gradient_loop(model, dataset, str(tmp_path), batch_size=4, shard_size=8)
+    shards = [load_shard(tmp_path / name) for name in ("shard-000000.safetensors", "shard-000001.safetensors")]
+    stored = torch.cat([shard["relevance"] for shard in shards])
+    assert torch.cat([shard["ids"] for shard in shards]).tolist() == list(range(10))
+    x = images.clone().requires_grad_()
+    logits = model(x)
+    (expected,) = torch.autograd.grad(logits, x, output_relevance(logits, logits.argmax(1).tolist()))
+    torch.testing.assert_close(stored, expected)
+
+
+@pytest.mark.slow
+def test_a_small_dataset_run_prints_both_throughputs(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "dataset_throughput.py"), str(tmp_path), "--case", "resnet18", "--size",
+         "32", "--batch", "4", "--samples", "8", "--rounds", "1", "--device", "cpu"],
+        capture_output=True, text=True, check=True).stdout
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines() if line.startswith("| ")}
+    assert rows["gradient loop"][2].strip() == "1.00"
+    seconds, per_second, ratio = (float(cell) for cell in rows["explain_dataset (epsilon-plus-flat)"])
+    assert seconds > 0 and per_second > 0 and ratio > 0
+
+
+@pytest.mark.slow
+def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "DEVICE": "cpu", "SMOKE": "1", "PYTHON": sys.executable}
+    subprocess.run(["bash", str(BENCHMARKS / "gpu.sh")], check=True, env=env, cwd=BENCHMARKS.parent,
+                   capture_output=True)
+    status = (tmp_path / "status.txt").read_text()
+    assert status.count(": exit 0 after") == 5, status
+    assert "| relprop epsilon |" in (tmp_path / "bench-bfloat16.log").read_text()
+    assert not (tmp_path / "scratch").exists()
