@@ -1,0 +1,129 @@
+"""EasyOCR's recognizer in the concept atlas: one score per word (ReadingScore) and reference words by brute force."""
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("easyocr")
+pytest.importorskip("easyocr_en_models")
+pytest.importorskip("safetensors")
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+import ocr  # noqa: E402
+import ocr_atlas  # noqa: E402
+
+import relprop  # noqa: E402
+from relprop.concepts import reference_samples  # noqa: E402
+from test_concepts import brute_force  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:torch.*", "ignore::DeprecationWarning")
+
+
+class ToyRecognizer(nn.Module):
+    """A recognizer's shape without biases: ReLU convolutions and max pooling, then one linear map per column."""
+
+    def __init__(self, classes: int = 6, height: int = 8):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.ReLU())
+        self.columns = nn.Linear(4 * height // 2, classes, bias=False)
+
+    def forward(self, x: torch.Tensor, text: None) -> torch.Tensor:
+        maps = self.features(x)  # (batch, 4, height / 2, columns)
+        return self.columns(maps.permute(0, 3, 1, 2).flatten(2))  # (batch, columns, classes), as easyocr's
+
+
+@pytest.fixture(scope="module")
+def toy():
+    torch.manual_seed(0)
+    model = ocr.ReadingScore(ToyRecognizer().double(), ["-", *"abcde"]).eval()
+    x = torch.randn(3, 1, 8, 24, dtype=torch.float64)
+    decoded = [ocr.decode(columns, model.alphabet) for columns in model.recognizer(x, None).detach()]
+    assert all(0 < len(characters) < 12 for characters in decoded)  # characters and blanks on every example
+    return model, x, decoded
+
+
+def test_reading_score_is_the_summed_logit_of_the_decoded_characters(toy):
+    model, x, decoded = toy
+    logits = model.recognizer(x, None).detach()
+    expected = torch.tensor([[sum(float(logits[i, c.column, c.label]) for c in characters)]
+                             for i, characters in enumerate(decoded)], dtype=torch.float64)
+    torch.testing.assert_close(model(x).detach(), expected, rtol=1e-12, atol=0)
+
+
+def test_reading_score_lrp0_equals_gradient_times_input(toy):
+    model, x, _ = toy
+    relevance = relprop.LRP(model, relprop.composites.Epsilon(epsilon=0.0)).attribute(x, target=0)
+    leaf = x.clone().requires_grad_()
+    (gradient,) = torch.autograd.grad(model(leaf).sum(), leaf)
+    error = (relevance - gradient * x).abs().max() / (gradient * x).abs().max()
+    assert error < 1e-10, error
+
+
+# (not alpha2-beta1: on this one-channel input some windows of the first convolution hold inputs of one sign only,
+# where alpha-beta gives alpha times the relevance, with or without the wrapper)
+@pytest.mark.parametrize("preset", ["epsilon", "epsilon-plus"])
+def test_reading_score_relevance_is_conserved_without_biases(toy, preset):
+    model, x, _ = toy
+    lrp = relprop.LRP(model, relprop.composites.get(preset, epsilon=1e-9))
+    relevance = lrp.attribute(x, target=0)
+    torch.testing.assert_close(relevance.sum((1, 2, 3)), model(x).detach()[:, 0], rtol=1e-6, atol=0)
+
+
+def test_nothing_read_is_a_zero_score_with_zero_relevance(toy):
+    model, x, _ = toy
+    blank = copy.deepcopy(model)
+    with torch.no_grad():
+        blank.recognizer.columns.weight[0] = 1e3 * blank.recognizer.columns.weight[1:].abs().sum(0)  # blank wins
+    assert blank.read(x.abs()) == ["", "", ""]
+    assert torch.equal(blank(x.abs()).detach(), torch.zeros(3, 1, dtype=torch.float64))
+    assert torch.equal(relprop.LRP(blank, "epsilon").attribute(x.abs(), target=0), torch.zeros_like(x))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ocr_atlas.load_model()
+
+
+@pytest.fixture(scope="module")
+def words():
+    return ocr_atlas.RenderedWords()
+
+
+def test_rendered_words_are_read(model, words):
+    assert len(words) == len(ocr.WORDS) * len(ocr.FONT_FILES) == 472
+    assert words.images.shape == (472, 1, 64, ocr_atlas.WIDTH)
+    assert words.images.min() == -1 and words.images.max() == 1
+    sample = list(range(0, 472, 9))
+    read = model.read(words.images[sample])
+    assert sum(text == words.texts[i] for text, i in zip(read, sample)) >= 0.95 * len(sample)  # measured: 467/472
+
+
+def test_reading_heatmap_is_the_sum_of_the_characters_heatmaps(model, words):
+    x = words[5][None]
+    characters = ocr.decode(ocr.recognizer_logits(model.recognizer, x)[0], model.alphabet)
+    assert "".join(c.text for c in characters) == words.texts[5]
+    each = ocr.explain_characters(model.recognizer, x, characters)
+    whole = relprop.LRP(model, ocr.ocr_composite()).attribute(x, target=0)[0, 0]
+    # float32, the characters as one batch and the word alone: measured 5e-6 of the largest pixel
+    assert (whole - each.sum(0)).abs().max() < 1e-4 * whole.abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["relevance", "activation"])
+def test_reference_words_equal_a_brute_force_ranking(model, words, mode):
+    """On 40 of the rendered words, both layers: top-k ids, values and positions as each word alone gives them."""
+    double = copy.deepcopy(model).double()  # float64, so that batching changes no ranking
+    subset = torch.utils.data.TensorDataset(words.images[::12].double(), torch.zeros(40, dtype=torch.long))
+    found = reference_samples(double, subset, ocr_atlas.LAYERS, composite="epsilon-plus-flat", top_k=5,
+                              modes=[mode], batch_size=16, shard_size=24)
+    for layer in ocr_atlas.LAYERS:
+        ids, values, positions, _, totals = brute_force(double, subset, layer, mode, 5)
+        top = found[layer][mode]
+        assert torch.equal(top.ids, ids), layer
+        assert torch.allclose(top.values, values, rtol=1e-9, atol=1e-12), layer
+        assert torch.equal(top.positions, positions), layer
+        assert torch.allclose(top.totals, totals, rtol=1e-9, atol=1e-9), layer
+        assert top.ids.unique().numel() > 5  # the channels do not all pick the same words
