@@ -13,6 +13,9 @@ Run: ``python examples/ocr.py IMAGE --out out/ocr`` (an image of a word or a lin
 ``python examples/ocr.py --page --out out/ocr`` for ``skimage.data.text()``: the detector's region score over
 the largest detected word box, and the characters of that word. ``--faithfulness`` prints the masking table
 (LRP against the gradient and random pixels), ``--compare-rules`` the same for LRP with other presets.
+
+:class:`ReadingScore` makes the recognizer a model with one score per word image (the summed logits of the characters
+it reads), for explaining datasets of words: ``examples/ocr_atlas.py`` finds its concepts over rendered words.
 """
 from __future__ import annotations
 

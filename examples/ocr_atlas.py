@@ -16,12 +16,12 @@ activation (``relprop.concepts.reference_samples``, resumable in ``OUT/run``):
 - ``FeatureExtraction.ConvNet.9``: the ReLU after the fourth convolution, 128 channels of 16 x 80 (a receptive
   field of 26 x 26 pixels: strokes and parts of letters);
 - ``FeatureExtraction.ConvNet.16``: the ReLU after the sixth convolution and its BatchNorm, 256 channels of
-  8 x 80 (receptive field 62 x 42 pixels:
-  letters and their neighbours).
+  8 x 80 (receptive field 62 x 42 pixels: letters and their neighbours).
 
-It writes ``OUT/<layer>/index.html`` with the 12 channels of most total relevance (one PNG each: crops of the
-reference samples by relevance, with their conditional heatmaps) and ``OUT/glocal.png`` for the word "Concept"
-(not among the 472), its four most relevant channels of ``ConvNet.16`` and their reference crops.
+It writes ``OUT/FeatureExtraction.ConvNet.9/index.html`` and ``OUT/FeatureExtraction.ConvNet.16/index.html``, each
+with the 12 channels of most total relevance (one PNG each: crops of the reference samples by relevance, with
+their conditional heatmaps), and ``OUT/glocal.png`` for the word "Concept" (not among the 472): its heatmap, its
+four most relevant channels of ``ConvNet.16`` and their reference crops.
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import ocr
 import torch
 from PIL import Image
 from torch import Tensor
 
-import ocr
 from relprop import atlas
 from relprop.concepts import reference_samples
 

@@ -11,11 +11,11 @@ pytest.importorskip("easyocr")
 pytest.importorskip("easyocr_en_models")
 pytest.importorskip("safetensors")
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-import ocr  # noqa: E402
-import ocr_atlas  # noqa: E402
+import ocr
+import ocr_atlas
 
-import relprop  # noqa: E402
-from relprop.concepts import reference_samples  # noqa: E402
+import relprop
+from relprop.concepts import reference_samples
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:torch.*", "ignore::DeprecationWarning")
 
@@ -119,24 +119,26 @@ def brute_force(model: nn.Module, images: torch.Tensor, top_k: int) -> dict:
     explainer = relprop.LayerLRP(model, ocr_atlas.LAYERS, "epsilon-plus-flat")
     modules = [model.get_submodule(layer) for layer in ocr_atlas.LAYERS]
     found: dict = {(layer, mode): ([], []) for layer in ocr_atlas.LAYERS for mode in ("relevance", "activation")}
-    for x in images:
-        maps = explainer.attribute(x[None], target=0)  # the reading score: one output
-        seen = []
-        handles = [module.register_forward_hook(lambda _m, _i, output: seen.append(output.detach().clone()))
-                   for module in modules]
-        try:
+    seen: list[torch.Tensor] = []
+    handles = [module.register_forward_hook(lambda _m, _i, output: seen.append(output.detach().clone()))
+               for module in modules]
+    try:
+        for x in images:
+            seen.clear()
             with torch.no_grad():
                 model(x[None])
-        finally:
-            for handle in handles:
-                handle.remove()
-        for layer, relevance, activation in zip(ocr_atlas.LAYERS, maps, seen):
-            flat = relevance[0].flatten(1)
-            found[layer, "relevance"][0].append(flat.sum(1))
-            found[layer, "relevance"][1].append(flat.argmax(1))
-            maximum = activation[0].flatten(1).max(1)
-            found[layer, "activation"][0].append(maximum.values)
-            found[layer, "activation"][1].append(maximum.indices)
+            activations = list(seen)
+            maps = explainer.attribute(x[None], target=0)  # the reading score: one output
+            for layer, relevance, activation in zip(ocr_atlas.LAYERS, maps, activations):
+                flat = relevance[0].flatten(1)
+                found[layer, "relevance"][0].append(flat.sum(1))
+                found[layer, "relevance"][1].append(flat.argmax(1))
+                maximum = activation[0].flatten(1).max(1)
+                found[layer, "activation"][0].append(maximum.values)
+                found[layer, "activation"][1].append(maximum.indices)
+    finally:
+        for handle in handles:
+            handle.remove()
     ranked = {}
     for key, (values, positions) in found.items():
         values, positions = torch.stack(values).T, torch.stack(positions).T  # (channels, words)
