@@ -100,6 +100,7 @@ def test_rendered_words_are_read(model, words):
     assert sum(text == words.texts[i] for text, i in zip(read, sample)) >= 0.95 * len(sample)  # measured: 467/472
 
 
+@pytest.mark.slow  # 7 s on two busy shared cores
 def test_reading_heatmap_is_the_sum_of_the_characters_heatmaps(model, words):
     index = ocr.WORDS.index("dog") * len(ocr.FONT_FILES) + 1  # a short word, so that float64 stays fast
     double = copy.deepcopy(model).double()
@@ -162,3 +163,18 @@ def test_reference_words_equal_a_brute_force_ranking(model, words):
         assert torch.equal(top.positions, positions), (layer, mode)
         assert torch.allclose(top.totals, totals, rtol=1e-9, atol=1e-9), (layer, mode)
         assert top.ids.unique().numel() > 4, (layer, mode)  # the channels do not all pick the same words
+
+
+@pytest.mark.parametrize(("width", "first_column"), [(24, 3.0), (8, 1.0), (80, 4.0)])
+def test_glocal_gives_a_wide_input_a_wide_first_column(tmp_path, toy, width, first_column):
+    """The figure is 1.3 inches per column at 110 dpi; the first column is the input's aspect, from 1 to count."""
+    from PIL import Image
+
+    from relprop.atlas import render_glocal
+
+    model, _, _ = toy
+    images = torch.randn(6, 1, 8, width, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    result = reference_samples(model, images, ["recognizer.features.4"], top_k=4, modes=["relevance"])
+    path = render_glocal(model, images[0], result, images, "recognizer.features.4", tmp_path / "g.png", n=2, count=4,
+                         composite="epsilon", size=16)
+    assert Image.open(path).size[0] == round(1.3 * (first_column + 4) * 110)
