@@ -13,6 +13,9 @@ Run: ``python examples/ocr.py IMAGE --out out/ocr`` (an image of a word or a lin
 ``python examples/ocr.py --page --out out/ocr`` for ``skimage.data.text()``: the detector's region score over
 the largest detected word box, and the characters of that word. ``--faithfulness`` prints the masking table
 (LRP against the gradient and random pixels), ``--compare-rules`` the same for LRP with other presets.
+
+:class:`ReadingScore` makes the recognizer a model with one score per word image (the summed logits of the characters
+it reads), for explaining datasets of words: ``examples/ocr_atlas.py`` finds its concepts over rendered words.
 """
 from __future__ import annotations
 
@@ -107,6 +110,51 @@ def decode(logits: Tensor, alphabet: list[str]) -> list[Character]:
             characters.append(Character(alphabet[index], start + int(run.argmax()), index))
         start = column
     return characters
+
+
+class ReadingScore(nn.Module):
+    """The recognizer as a model with one score per word image: the summed logits of its greedy CTC reading.
+
+    ``forward(x)`` returns (batch, 1): per image, the sum over the characters that :func:`decode` reads of each
+    character's logit at its column. This is the target for explaining a dataset of words (the concept atlas,
+    ``relprop.explain_dataset``), which needs one score per sample that means the same on every sample: a word's
+    reading is one decision, whereas one column's logit would explain whichever character happens to sit in that
+    column, and blank columns say where no character is rather than what is read.
+
+    It is exact in two ways. LRP is linear in the relevance seeded at the output, so the heatmap of this score is
+    the sum of the characters' heatmaps (:func:`explain_characters`). The decoding only chooses which logits are
+    summed (a mask, through which no relevance flows; the sum is linear), so the identities that hold for the
+    recognizer's logits hold for this score: with LRP-0 it equals Gradient x Input, and a conservative composite
+    on a model without biases gives the score itself as the input relevance's sum.
+
+    Parameters
+    ----------
+    recognizer : nn.Module
+        Called as ``recognizer(x, None)`` (easyocr's signature), returning (batch, columns, classes) logits;
+        class 0 is the CTC blank.
+    alphabet : list of str
+        The classes' characters (easyocr's ``reader.converter.character``).
+    """
+
+    def __init__(self, recognizer: nn.Module, alphabet: list[str]) -> None:
+        super().__init__()
+        self.recognizer = recognizer
+        self.alphabet = alphabet
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = self.recognizer(x, None)
+        best = logits.detach().argmax(2)
+        read = torch.zeros(best.shape, dtype=torch.bool, device=best.device)  # (batch, columns): the summed ones
+        for example, columns in enumerate(logits.detach()):
+            for character in decode(columns, self.alphabet):
+                read[example, character.column] = True
+        picked = logits.gather(2, best[..., None])[..., 0]  # each column's best logit: its character's where read
+        return torch.where(read, picked, torch.zeros((), dtype=picked.dtype)).sum(1, keepdim=True)
+
+    def read(self, x: Tensor) -> list[str]:
+        """The text read in each image of ``x`` (batch, 1, 64, W)."""
+        return ["".join(c.text for c in decode(columns, self.alphabet)) for columns in recognizer_logits(
+            self.recognizer, x)]
 
 
 def explain_characters(model: nn.Module, x: Tensor, characters: list[Character],

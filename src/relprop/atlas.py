@@ -274,16 +274,23 @@ def render_glocal(model: nn.Module, x: Tensor, source: str | Path | Mapping, dat
     conditional = explainer.attribute_concepts(x, [[c] for c in chosen], target=target)[:, 0]
     layer_total = float(channel_relevance.sum())
 
-    columns = 1 + count
-    figure, axes = _PLT.subplots(1 + n, columns, figsize=(1.3 * columns, 1.45 * (1 + n)), squeeze=False)
-    for axis in axes.flat:
+    # a wide input (a line of text) gets a first column as wide as it, and its heatmap the rest of the first row
+    widths = [min(max(x.shape[-1] / x.shape[-2], 1.0), float(count)), *[1.0] * count]
+    figure, axes = _PLT.subplots(1 + n, 1 + count, figsize=(1.3 * sum(widths), 1.45 * (1 + n)), squeeze=False,
+                                 gridspec_kw={"width_ratios": widths})
+    heatmap_axis = axes[0][1]
+    if widths[0] > 1.0:
+        for axis in axes[0][1:]:
+            axis.remove()
+        heatmap_axis = figure.add_subplot(axes[0][0].get_gridspec()[0, 1:])
+    for axis in [*axes.flat, heatmap_axis]:
         axis.set_xticks([])
         axis.set_yticks([])
         axis.set_frame_on(False)
     axes[0][0].imshow(_display(x[0]), interpolation="nearest")
     axes[0][0].set_title(f"input\npredicted {prediction}", fontsize=7)
-    axes[0][1].imshow(viz.heatmap(heatmap), interpolation="nearest")
-    axes[0][1].set_title(f"heatmap, class {target}\nR={float(heatmap.sum()):.3g}", fontsize=7)
+    heatmap_axis.imshow(viz.heatmap(heatmap), interpolation="nearest")
+    heatmap_axis.set_title(f"heatmap, class {target}\nR={float(heatmap.sum()):.3g}", fontsize=7)
     figure.suptitle(f"{layer}: the {n} channels most relevant for this input (left: conditional heatmap);\n"
                     f"right: their reference samples by {mode}, cropped, with the conditional heatmap over them",
                     fontsize=8)
