@@ -21,9 +21,10 @@ Run: ``python examples/sentence_similarity.py [--out out/similarity] [--evaluate
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import html
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ class MeanPooled(nn.Module):
         return (hidden * mask).sum(1) / mask.sum(1)
 
 
-@dataclass
+@dataclasses.dataclass
 class Explanation:
     """One sentence pair: tokens, pair relevance ``(T1, T2)``, first-order maps and the similarity."""
 
@@ -109,20 +110,46 @@ class Explanation:
     other_ids: Tensor
 
 
-def explain(tokenizer: Any, bilrp: relprop.BiLRP, sentence: str, other: str) -> Explanation:
-    """BiLRP and first-order relevance of the similarity of ``sentence`` and ``other``."""
-    a, b = tokenizer([sentence], return_tensors="pt"), tokenizer([other], return_tensors="pt")
+def explain(tokenizer: Any, bilrp: relprop.BiLRP, sentence: str, other: str,
+            cache: Path | None = None) -> Explanation:
+    """BiLRP and first-order relevance of the similarity of ``sentence`` and ``other`` (on the model's device).
+
+    With ``cache``, a folder, the explanation is read from it if it was
+    computed before with the same rules, else computed and written there.
+    """
+    if cache is not None:
+        composite = bilrp.composite
+        setting = f"{type(composite).__name__} {composite.epsilon} {getattr(composite, 'gamma', None)}"
+        path = cache / f"{hashlib.sha1(chr(0).join((setting, sentence, other)).encode()).hexdigest()[:20]}.pt"
+        if path.exists():
+            return Explanation(**torch.load(path))
+        explained = explain(tokenizer, bilrp, sentence, other)
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save(dataclasses.asdict(explained), partial)
+        partial.replace(path)  # never a half-written file under the final name
+        return explained
+    device = _device(bilrp.embed)
+    a, b = (tokenizer([text], return_tensors="pt").to(device) for text in (sentence, other))
     args = ((a["attention_mask"],), (b["attention_mask"],))
     pairs = bilrp.attribute(a["input_ids"], b["input_ids"], *args)
     first, other_first = bilrp.first_order(a["input_ids"], b["input_ids"], *args)
     score = bilrp.similarity(a["input_ids"], b["input_ids"], *args).item()
     return Explanation(tokenizer.convert_ids_to_tokens(a["input_ids"][0]),
-                       tokenizer.convert_ids_to_tokens(b["input_ids"][0]), pairs[0], first[0], other_first[0],
-                       score, a["input_ids"][0], b["input_ids"][0])
+                       tokenizer.convert_ids_to_tokens(b["input_ids"][0]), pairs[0].cpu(), first[0].cpu(),
+                       other_first[0].cpu(), score, a["input_ids"][0].cpu(), b["input_ids"][0].cpu())
+
+
+def _device(module: Any) -> torch.device:
+    return next(module.parameters()).device
 
 
 def chosen_pairs(explained: Explanation, order: str, k: int, generator: torch.Generator) -> list[tuple[int, int]]:
-    """k pairs of word tokens (not [CLS] or [SEP]) in the given order: positions in each sentence."""
+    """k pairs of word tokens (not [CLS] or [SEP]) in the given order: positions in each sentence.
+
+    BiLRP ranks by the signed pair relevance, the first-order product by the
+    signed product of the two first-order maps; both largest first.
+    """
     rows, columns = len(explained.ids) - 2, len(explained.other_ids) - 2
     if order == "BiLRP":
         score = explained.pairs[1:-1, 1:-1]
@@ -134,89 +161,129 @@ def chosen_pairs(explained: Explanation, order: str, k: int, generator: torch.Ge
     return [(1 + index // columns, 1 + index % columns) for index in ranked]
 
 
-def _without(ids: Tensor, removed: list[set[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """One row per set of positions: ``ids`` with those tokens dropped, padded; and the attention mask."""
-    rows = [ids[[p for p in range(len(ids)) if p not in drop]] for drop in removed]
-    length = max(len(row) for row in rows)
-    padded = torch.full((len(rows), length), pad_id, dtype=ids.dtype)
-    mask = torch.zeros(len(rows), length, dtype=torch.long)
-    for index, row in enumerate(rows):
-        padded[index, :len(row)], mask[index, :len(row)] = row, 1
-    return padded, mask
-
-
 @torch.no_grad()
-def similarity_without(embed: nn.Module, explained: Explanation, removals: list[tuple[set[int], set[int]]],
-                       pad_id: int) -> Tensor:
-    """The similarity with the tokens at the given positions dropped from each sentence, one value per removal.
+def similarity_without(embed: nn.Module, explained: Explanation, removals: list[tuple[set[int], set[int]]]) -> Tensor:
+    """The similarity with the tokens at the given positions deleted from each sentence, one value per removal.
 
-    Tokens are dropped, not replaced by ``[MASK]``: a ``[MASK]`` put into both sentences is itself a shared
-    token and raises the similarity.
+    A token is deleted by its attention-mask entry: no token attends to it and
+    the mean pooling skips it, while every other token keeps its position
+    (dropping it from the sequence would shift the position embeddings of the
+    tokens after it). Not by ``[MASK]``: a ``[MASK]`` put into both sentences
+    is itself a shared token and raises the similarity.
     """
-    ids, mask = _without(explained.ids, [first for first, _ in removals], pad_id)
-    other_ids, other_mask = _without(explained.other_ids, [second for _, second in removals], pad_id)
-    return (embed(ids, mask) * embed(other_ids, other_mask)).sum(1)
+    def masked(ids: Tensor, removed: list[set[int]]) -> tuple[Tensor, Tensor]:
+        mask = torch.ones(len(removed), len(ids), dtype=torch.long)
+        for row, positions in enumerate(removed):
+            mask[row, sorted(positions)] = 0
+        return ids.expand(len(removed), -1).to(_device(embed)), mask.to(_device(embed))
+
+    first, second = masked(explained.ids, [a for a, _ in removals]), masked(explained.other_ids, [b for _, b in removals])
+    return (embed(*first) * embed(*second)).sum(1).cpu()
 
 
-def deletion_scores(embed: nn.Module, explained: Explanation, k: int, pad_id: int, draws: int = 20,
+def interactions(embed: nn.Module, explained: Explanation) -> Tensor:
+    """``y - y(-i) - y(-i') + y(-i,-i')`` for every pair of word tokens ``(i, i')``: shape ``(T1 - 2, T2 - 2)``.
+
+    The part of the similarity that needs both tokens: what deleting both does
+    beyond deleting each alone. Were ``y`` exactly the sum of the pair
+    relevance and deleting a token exactly the removal of its row or column,
+    this would be ``R_ii'``.
+    """
+    rows, columns = range(1, len(explained.ids) - 1), range(1, len(explained.other_ids) - 1)
+    removals = ([({i}, set()) for i in rows] + [(set(), {j}) for j in columns]
+                + [({i}, {j}) for i in rows for j in columns])
+    values = similarity_without(embed, explained, removals)
+    alone, other_alone = values[:len(rows)], values[len(rows):len(rows) + len(columns)]
+    both = values[len(rows) + len(columns):].reshape(len(rows), len(columns))
+    return explained.similarity - alone[:, None] - other_alone[None, :] + both
+
+
+def deletion_scores(embed: nn.Module, explained: Explanation, k: int, draws: int = 20,
                     seed: int = 0) -> dict[str, dict[str, float]]:
     """Two measures of the top k pairs of each order (random: mean over ``draws`` choices of k pairs).
 
-    ``drop``: the similarity drop when both tokens of all k pairs are dropped
-    at once. ``interaction``: for each pair alone, what dropping both tokens
-    together does beyond dropping each alone, ``y - y(-i) - y(-i') +
-    y(-i,-i')``, averaged over the k pairs; this is the part of the similarity
-    that needs both tokens, what a pair relevance ``R_ii'`` claims to measure.
+    ``drop``: the similarity drop when both tokens of all k pairs are deleted
+    at once. ``interaction``: the :func:`interactions` of the k pairs,
+    averaged; what a pair relevance ``R_ii'`` claims to measure.
     """
     generator = torch.Generator().manual_seed(seed)
     choices = [chosen_pairs(explained, order, k, generator) for order in ORDERS[:-1]]
     choices += [chosen_pairs(explained, "random", k, generator) for _ in range(draws)]
     removals = [({i for i, _ in chosen}, {j for _, j in chosen}) for chosen in choices]
-    removals += [removal for chosen in choices for i, j in chosen
-                 for removal in (({i}, set()), (set(), {j}), ({i}, {j}))]
-    values = similarity_without(embed, explained, removals, pad_id)
-    drops, singles = explained.similarity - values[:len(choices)], values[len(choices):].reshape(-1, 3)
-    interactions = explained.similarity - singles[:, 0] - singles[:, 1] + singles[:, 2]
-    per_choice = interactions.reshape(len(choices), -1).mean(1)
+    drops = explained.similarity - similarity_without(embed, explained, removals)
+    measured = interactions(embed, explained)
+    per_choice = torch.stack([torch.stack([measured[i - 1, j - 1] for i, j in chosen]).mean() for chosen in choices])
     return {measure: {"BiLRP": value[0].item(), "first-order product": value[1].item(),
                       "random": value[2:].mean().item()}
             for measure, value in (("drop", drops), ("interaction", per_choice))}
 
 
-#: table[measure][k][order]: one value per sentence pair
+def rank_correlations(embed: nn.Module, explained: Explanation) -> dict[str, float]:
+    """Spearman correlation over all pairs of word tokens of each order's score with the measured interaction."""
+    def ranks(values: Tensor) -> Tensor:
+        return values.flatten().argsort().argsort().to(torch.float64)
+
+    measured = ranks(interactions(embed, explained))
+    words = slice(1, -1)
+    scores = {"BiLRP": explained.pairs[words, words],
+              "first-order product": torch.outer(explained.first[words], explained.other_first[words])}
+    return {order: torch.corrcoef(torch.stack([ranks(score), measured]))[0, 1].item()
+            for order, score in scores.items()}
+
+
+#: table[measure][k][order]: one value per sentence pair (``k = 0``: the rank correlation over all pairs)
 Table = dict[str, dict[int, dict[str, list[float]]]]
 
 
-def deletion_table(tokenizer: Any, encoder: nn.Module, preset: str = "attnlrp", ks: tuple[int, ...] = (1, 2, 3),
-                   pairs: list[tuple[str, str]] = PAIRS) -> Table:
-    """For each measure of :func:`deletion_scores`, each k and each order: the values on every sentence pair."""
+def deletion_table(tokenizer: Any, encoder: nn.Module, composite: relprop.composites.Composite | str = "attnlrp",
+                   ks: tuple[int, ...] = (1, 2, 3), pairs: list[tuple[str, str]] = PAIRS,
+                   cache: Path | None = None) -> Table:
+    """For each measure of :func:`deletion_scores`, each k and each order: the values on every sentence pair.
+
+    Also the :func:`rank_correlations` of each sentence pair, under ``k = 0``.
+    ``cache`` as for :func:`explain`.
+    """
     embed = MeanPooled(encoder).eval()
-    bilrp = relprop.BiLRP(embed, preset, max_batch=128, strict=True)
+    bilrp = relprop.BiLRP(embed, composite, max_batch=384, strict=True)
     table: Table = {measure: {k: {order: [] for order in ORDERS} for k in ks} for measure in ("drop", "interaction")}
+    table["rank correlation"] = {0: {order: [] for order in ORDERS[:-1]}}
     for sentence, other in pairs:
-        explained = explain(tokenizer, bilrp, sentence, other)
+        explained = explain(tokenizer, bilrp, sentence, other, cache)
         for k in ks:
-            for measure, scores in deletion_scores(embed, explained, k, tokenizer.pad_token_id).items():
+            for measure, scores in deletion_scores(embed, explained, k).items():
                 for order, value in scores.items():
                     table[measure][k][order].append(value)
+        for order, value in rank_correlations(embed, explained).items():
+            table["rank correlation"][0][order].append(value)
     return table
 
 
+def mean_and_error(values: list[float]) -> tuple[float, float]:
+    """The mean and its standard error (the sample standard deviation over the square root of the count)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    return tensor.mean().item(), (tensor.std() / len(values) ** 0.5).item()
+
+
 def print_table(table: Table) -> None:
-    """A markdown table: the mean of each measure per order and k, and on how many pairs BiLRP beats the others."""
-    print("| measure | k | " + " | ".join(ORDERS) + " | BiLRP > product | BiLRP > random |")
-    print("| --- " * (len(ORDERS) + 4) + "|")
+    """A markdown table: mean +- standard error of each measure per order and k; how often BiLRP beats the others."""
+    print("| measure | k | " + " | ".join(ORDERS) + " | BiLRP - product (paired) | BiLRP > product | BiLRP > random |")
+    print("| --- " * (len(ORDERS) + 5) + "|")
     for measure, by_k in table.items():
         for k, values in by_k.items():
-            means = [sum(values[order]) / len(values[order]) for order in ORDERS]
             count = len(values["BiLRP"])
+            cells = [f"{mean:.2f} ± {error:.2f}" for mean, error in
+                     (mean_and_error(values[order]) if order in values else (float("nan"),) * 2 for order in ORDERS)]
+            difference = mean_and_error([a - b for a, b in zip(values["BiLRP"], values["first-order product"])])
             wins = []
             for order in ORDERS[1:]:
+                if order not in values:
+                    wins.append("")
+                    continue
                 won = sum(a > b for a, b in zip(values["BiLRP"], values[order]))
                 tied = sum(a == b for a, b in zip(values["BiLRP"], values[order]))  # the same pairs chosen
                 wins.append(f"{won}/{count}" + (f" ({tied} tied)" if tied else ""))
-            print(f"| {measure} | {k} | " + " | ".join(f"{mean:.2f}" for mean in means) + " | " + " | ".join(wins)
-                  + " |")
+            print(f"| {measure} | {k or 'all'} | " + " | ".join(cells).replace("nan ± nan", "")
+                  + f" | {difference[0]:+.2f} ± {difference[1]:.2f} | " + " | ".join(wins) + " |")
 
 
 def write_pictures(explained: Explanation, index: int, out: Path) -> str:
@@ -236,17 +303,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out/similarity", help="folder for the pictures and the HTML page")
     parser.add_argument("--preset", default="attnlrp", choices=["attnlrp", "cp-lrp"])
+    parser.add_argument("--gamma", type=float, default=None, help="Gamma(gamma) on the linear layers instead of LRP-0")
+    parser.add_argument("--epsilon", type=float, default=0.0, help="stabiliser of the linear layers, sums and products")
     parser.add_argument("--pairs", type=int, default=6, help="how many of the example pairs to draw")
     parser.add_argument("--evaluate", action="store_true", help="also run the deletion check over all pairs")
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="folder for the explanations: reused when run again with the same rules")
     args = parser.parse_args()
     tokenizer, encoder = load()
-    bilrp = relprop.BiLRP(MeanPooled(encoder).eval(), args.preset, max_batch=128, strict=True)
+    encoder.to(args.device)
+    composite = relprop.composites.get(args.preset, gamma=args.gamma, epsilon=args.epsilon)
+    bilrp = relprop.BiLRP(MeanPooled(encoder).eval(), composite, max_batch=384, strict=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     colour = sys.stdout.isatty()  # ANSI colours only on a terminal, never into a file or a pipe
     sections = []
     for index, (sentence, other) in enumerate(PAIRS[:args.pairs]):
-        explained = explain(tokenizer, bilrp, sentence, other)
+        explained = explain(tokenizer, bilrp, sentence, other, args.cache)
         print(f"\n{sentence!r} vs {other!r}: similarity {explained.similarity:.3f}, "
               f"pair relevance sum {explained.pairs.sum().item():.3f}")
         for tokens, first in ((explained.tokens, explained.first), (explained.other_tokens, explained.other_first)):
@@ -259,8 +333,8 @@ def main() -> None:
     page.write_text("<html><body>" + "\n".join(sections) + "</body></html>")
     print(f"\nwrote {page} and the PNGs beside it")
     if args.evaluate:
-        print(f"\ndeletion check over {len(PAIRS)} pairs ({args.preset}; both tokens of each pair dropped):")
-        print_table(deletion_table(tokenizer, encoder, args.preset))
+        print(f"\ndeletion check over {len(PAIRS)} pairs ({args.preset}, gamma {args.gamma}, epsilon {args.epsilon}):")
+        print_table(deletion_table(tokenizer, encoder, composite, cache=args.cache))
 
 
 if __name__ == "__main__":

