@@ -205,8 +205,8 @@ def pair_deletions(embed: nn.Module, explained: Explanation) -> tuple[Tensor, Te
     the column minus ``R_ii'``.
     """
     rows, columns = range(1, len(explained.ids) - 1), range(1, len(explained.other_ids) - 1)
-    removals = ([({i}, set()) for i in rows] + [(set(), {j}) for j in columns]
-                + [({i}, {j}) for i in rows for j in columns])
+    removals: list[tuple[set[int], set[int]]] = [({i}, set()) for i in rows] + [(set(), {j}) for j in columns]
+    removals += [({i}, {j}) for i in rows for j in columns]
     values = similarity_without(embed, explained, removals)
     alone, other_alone = values[:len(rows)], values[len(rows):len(rows) + len(columns)]
     both = values[len(rows) + len(columns):].reshape(len(rows), len(columns))
