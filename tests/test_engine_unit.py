@@ -116,3 +116,22 @@ def test_products_split_uniformly_give_all_to_the_signal_next_to_a_gate_or_pass(
     assert isinstance(composite.default(_call(OpKind.PRODUCT, x, y, factors=(None, "sigmoid"))),
                       rules.SignalTakesAll)
     assert type(composite.default(_call(OpKind.PRODUCT, x, factors=(None,)))) is rules.Pass
+
+
+class _InPlaceReLU(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.relu_()
+
+
+@pytest.mark.parametrize("activation", [lambda: torch.nn.ReLU(inplace=True), _InPlaceReLU])
+def test_in_place_activation_with_a_rule_that_reads_its_input(activation):
+    """A rule other than Pass on an in-place activation reads the input as it was before the write."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double().eval()
+    in_place = torch.nn.Sequential(torch.nn.Linear(4, 4), activation(), torch.nn.Linear(4, 2)).double().eval()
+    in_place.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    composite = relprop.composites.Composite(layer_map=[(type(in_place[1]), relprop.rules.Gradient()),
+                                                        (torch.nn.ReLU, relprop.rules.Gradient())])
+    expected = relprop.LRP(plain, composite).attribute(x, target=0)
+    assert torch.equal(relprop.LRP(in_place, composite).attribute(x, target=0), expected)

@@ -268,6 +268,8 @@ def _in_place(out_of_place: Callable, handler: Handler, keeps_input: bool = True
             if (out := _in_place_pass(session, func, args, kwargs, handler)) is not None:
                 return out
         result = handler(session, out_of_place, args, kwargs)
+        if not keeps_input:  # the op just recorded reads `target`: it keeps a copy
+            session.aliases.before_write(target)
         return session.aliases.overwritten(write_into(target, result), result)
     return handle
 
@@ -314,6 +316,7 @@ def _with_inplace_flag(handler: Handler) -> Handler:
         if (out := _in_place_pass(session, func, args, kwargs, handler)) is not None:
             return out
         result = handler(session, func, (), bound)
+        session.aliases.before_write(target)  # the op just recorded reads `target`: it keeps a copy
         return session.aliases.overwritten(write_into(target, result), result)
     return handle
 
