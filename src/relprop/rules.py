@@ -967,6 +967,7 @@ class _SmoothedConv:
     padding: tuple[int, ...]
     groups: int
     kind: str = "conv"
+    transposable: bool = False  # no fused form: the rule takes its reference form
 
     @classmethod
     def of(cls, call: OpCall) -> _SmoothedConv:
