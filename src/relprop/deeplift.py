@@ -52,7 +52,7 @@ from . import rules
 from .attribution import LRP, Attribution, Inputs, Target, _as_tuple, _captum_entry, _forward_arguments, target_mask
 from .composites import Composite
 from .engine import ConservationWarning, RuleError, Session
-from .graph import OpCall, is_activation, write_into
+from .graph import OpCall, OpKind, is_activation, write_into
 from .layer import _backward_to_taps, _one_or_list, _resolve, _Tapper
 from .ops import _bind, op_name
 
@@ -531,7 +531,7 @@ class _DeepLiftSession(Session):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self._opaque or not args or not is_activation(args[0]):
+        if self.context.opaque or not args or not is_activation(args[0]):
             return super().__torch_function__(func, types, args, kwargs)
         if func in _IN_PLACE or func in _INPLACE_FLAG and _bind(func, args, kwargs).get("inplace"):
             return self._out_of_place(func, types, args, kwargs)
@@ -545,12 +545,12 @@ class _DeepLiftSession(Session):
         if narrower:  # a cast, or an op computing in a narrower type (softmax(..., dtype=torch.float32))
             self.precision = max(self.precision, torch.finfo(out.dtype).eps)
             if func in _CASTS:
-                return self.run(OpCall("elementwise", func, args, kwargs, op_name(func), self.module_name))
+                return self.run(OpCall(OpKind.ELEMENTWISE, func, args, kwargs, op_name(func), self.module_name))
         return out
 
     def _vector_norm(self, out: Any) -> bool:
         """Whether ``out`` is the output of a norm that :class:`VectorNormRescale` propagates exactly."""
-        call = self.producers.get(out) if isinstance(out, Tensor) else None
+        call = self.aliases.producer(out) if isinstance(out, Tensor) else None
         return call is not None and call.rule is not None and isinstance(call.rule, VectorNormRescale)
 
     def _extremum(self, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -565,7 +565,7 @@ class _DeepLiftSession(Session):
             return None
         reduce = _EXTREMA[func]
         dim, keepdim = bound["dim"], bound.get("keepdim", False)
-        values = self.run(OpCall("maxpool", reduce, (bound["input"], dim, keepdim), {}, op_name(func),
+        values = self.run(OpCall(OpKind.MAXPOOL, reduce, (bound["input"], dim, keepdim), {}, op_name(func),
                                  self.module_name))
         if func in (torch.amax, _T.amax, torch.amin, _T.amin):
             return values
@@ -581,10 +581,10 @@ class _DeepLiftSession(Session):
             args, kwargs = (), {**_bind(func, args, kwargs), "inplace": False}
         else:
             func = _IN_PLACE[func]
-        self.protect(target)  # the op that made the target keeps what its rule reads
+        self.aliases.protect(target)  # the op that made the target keeps what its rule reads
         out = super().__torch_function__(func, types, args, kwargs)
-        self.before_write(target)  # ... and so does the op just made, which read the target
-        return self.overwritten(write_into(target, out), out)
+        self.aliases.before_write(target)  # ... and so does the op just made, which read the target
+        return self.aliases.overwritten(write_into(target, out), out)
 
 
 class _DeepLiftLRP(LRP):
