@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["HELD_ARGUMENTS", "hold_selective_parameters"]
 
@@ -66,10 +67,10 @@ def _holding(func: Callable[..., Any], held: tuple[str, ...]) -> Callable[..., A
     return call
 
 
-def _scan_functions(model: nn.Module) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
-    """The scan functions (module, name, function) defined beside the model's own module classes."""
+def _scan_functions(sources: set[str]) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
+    """The scan functions (module, name, function) defined in the Python modules named in ``sources``."""
     found = []
-    for source_name in {type(module).__module__ for module in model.modules()}:
+    for source_name in sources:
         source = sys.modules.get(source_name)
         for name in HELD_ARGUMENTS:
             func = getattr(source, name, None)
@@ -87,10 +88,15 @@ def hold_selective_parameters(model: nn.Module) -> Iterator[None]:
     model : nn.Module
         The model being explained; models without Mamba mixers are left alone.
     """
-    handles = [module.get_submodule("x_proj").register_forward_hook(_detached_output)
-               for module in model.modules() if _is_mamba1_mixer(module)]
-    replaced = _scan_functions(model)
+    handles: list[RemovableHandle] = []
+    sources: set[str] = set()
+    replaced: list[tuple[ModuleType, str, Callable[..., Any]]] = []
     try:
+        for module in model.modules():  # one walk: Mamba-1 hooks, and where the model's classes are defined
+            sources.add(type(module).__module__)
+            if _is_mamba1_mixer(module):
+                handles.append(module.get_submodule("x_proj").register_forward_hook(_detached_output))
+        replaced = _scan_functions(sources)
         for source, name, func in replaced:
             setattr(source, name, _holding(func, HELD_ARGUMENTS[name]))
         yield
