@@ -251,7 +251,7 @@ class TinyOps(torch.nn.Module):
         return h
 
 
-class _CountOps(torch.overrides.TorchFunctionMode):
+class CountOps(torch.overrides.TorchFunctionMode):
     """Counts the torch function calls of a forward pass: the ops relprop intercepts."""
 
     def __init__(self) -> None:
@@ -269,7 +269,7 @@ def per_op(rounds: int, device: str, dtype: torch.dtype, preset: str = "epsilon"
     torch.manual_seed(0)
     model = TinyOps(blocks).eval().to(device, dtype)
     x = torch.randn(1, 8, device=device, dtype=dtype)
-    with torch.no_grad(), _CountOps() as counter:
+    with torch.no_grad(), CountOps() as counter:
         model(x)
     lrp = relprop.LRP(model, preset)
     table = {"gradient": functools.partial(plain_gradient, model, x, [0]),

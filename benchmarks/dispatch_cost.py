@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 import relprop
+from bench import CountOps  # the same count as bench.py --per-op (this folder is on sys.path)
 
 
 class Block(nn.Module):
@@ -34,16 +34,6 @@ class Block(nn.Module):
         h = h + x
         h = self.norm(h)
         return (h * torch.sigmoid(self.gate(h))).reshape(x.shape)
-
-
-class _Count(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func: Callable, types: object, args: tuple = (), kwargs: dict | None = None) -> object:
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _seconds(run: Callable[[], object], rounds: int) -> tuple[float, float]:
@@ -64,7 +54,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*(Block() for _ in range(args.blocks))).eval()
     x = torch.randn(1, 8)
-    counter = _Count()
+    counter = CountOps()
     with torch.no_grad(), counter:
         model(x)
     lrp = relprop.LRP(model, "epsilon")
@@ -72,9 +62,9 @@ def main() -> None:
     with torch.no_grad():
         plain = _seconds(lambda: model(x), args.rounds)
     recorded = _seconds(lambda: lrp.record(x), args.rounds)
-    print(f"torch functions per forward pass: {counter.calls}")
-    print("us per call (fastest, median): plain forward " + ", ".join(f"{t / counter.calls * 1e6:.1f}" for t in plain)
-          + "; recorded (LRP.record) " + ", ".join(f"{t / counter.calls * 1e6:.1f}" for t in recorded))
+    print(f"torch functions per forward pass: {counter.count}")
+    print("us per call (fastest, median): plain forward " + ", ".join(f"{t / counter.count * 1e6:.1f}" for t in plain)
+          + "; recorded (LRP.record) " + ", ".join(f"{t / counter.count * 1e6:.1f}" for t in recorded))
 
 
 if __name__ == "__main__":
