@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 
 import torch
+from bench import CountOps  # the same count as bench.py --per-op (this folder is on sys.path)
 from torch import Tensor, nn
 
 import relprop
-from bench import CountOps  # the same count as bench.py --per-op (this folder is on sys.path)
 
 
 class Block(nn.Module):
