@@ -81,8 +81,7 @@ def test_record_makes_a_call_of_the_current_module():
 
 def _call(kind, *inputs, factors=()):
     call = OpCall(kind, torch.mul if kind == OpKind.PRODUCT else torch.tanh, inputs, {}, "op", "")
-    if kind == OpKind.PRODUCT:
-        call.gates = Composite.gates(Composite(), factors)
+    call.factors = factors  # what ops.ProductCall tags from the producers of its factors
     return call
 
 
@@ -135,3 +134,60 @@ def test_in_place_activation_with_a_rule_that_reads_its_input(activation):
                                                         (torch.nn.ReLU, relprop.rules.Gradient())])
     expected = relprop.LRP(plain, composite).attribute(x, target=0)
     assert torch.equal(relprop.LRP(in_place, composite).attribute(x, target=0), expected)
+
+
+@pytest.mark.parametrize("factors, attnlrp, cplrp", [
+    ((None, "sigmoid"), (False, True), (False, True)),
+    (("softmax", None), (False, False), (True, False)),  # attention weights are gates for CP-LRP alone
+    (("activation", "sigmoid"), (False, True), (False, True)),  # every factor a gate for CP-LRP: the activation is the signal
+    (("sigmoid", "sigmoid"), (False, False), (False, False)),  # gates alone: none is, so none takes all
+])
+def test_which_factors_are_gates_is_the_gated_rule_of_each_composite(factors, attnlrp, cplrp):
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    call = _call(OpKind.PRODUCT, x, y, factors=factors)
+    assert relprop.composites.AttnLRP()._gated.gates(call) == attnlrp
+    assert relprop.composites.CPLRP()._gated.gates(call) == cplrp
+
+
+class _TanhThenReLU(torch.nn.Module):
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.fc, self.out, self.in_place = torch.nn.Linear(4, 6), torch.nn.Linear(6, 2), in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        return self.out(h.relu_() if self.in_place else h.relu())
+
+
+def test_in_place_relu_on_an_output_whose_kept_graph_saved_it():
+    """tanh's backward saves its output: a rule that takes the VJP of tanh must not see the ReLU's write."""
+    torch.manual_seed(0)
+    plain, in_place = _TanhThenReLU(False).double().eval(), _TanhThenReLU(True).double().eval()
+    in_place.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    composite = relprop.composites.Composite(func_map={torch.tanh: relprop.rules.Gradient()})
+    expected = relprop.LRP(plain, composite).attribute(x, target=0)
+    assert torch.equal(relprop.LRP(in_place, composite).attribute(x, target=0), expected)
+
+
+class _GradientWithoutFlag(relprop.rules.Rule):
+    """The plain gradient, written without ``needs_vjp``: the engine then builds the op's graph when asked."""
+
+    kinds = relprop.rules.Gradient.kinds
+
+    def propagate(self, call, relevance):
+        return call.vjp(relevance)
+
+
+@pytest.mark.parametrize("model", [_TanhThenReLU(False), torch.nn.Sequential(torch.nn.Conv1d(2, 3, 3, padding="same"))])
+def test_a_rule_that_takes_the_vjp_without_the_flag_gets_it(model):
+    torch.manual_seed(0)
+    model = model.double().eval()
+    x = torch.randn(2, 4, dtype=torch.float64) if isinstance(model, _TanhThenReLU) else torch.randn(2, 2, 5).double()
+    target = 0 if isinstance(model, _TanhThenReLU) else (0, 1)
+    funcs = [torch.tanh, torch.nn.functional.linear, torch.nn.functional.conv1d]
+    flagged = relprop.LRP(model, relprop.Composite(func_map={f: relprop.rules.Gradient() for f in funcs}))
+    unflagged = relprop.LRP(model, relprop.Composite(func_map={f: _GradientWithoutFlag() for f in funcs}))
+    expected = flagged.attribute(x, target=target)
+    assert torch.equal(unflagged.attribute(x, target=target), expected)
+    assert expected.abs().sum() > 0

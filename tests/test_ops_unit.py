@@ -81,5 +81,5 @@ def test_softmax_and_max_pooling_calls_carry_their_fields():
 
 def test_fields_of_other_kinds_have_declared_defaults():
     call = OpCall(OpKind.ELEMENTWISE, torch.tanh, (_activation(3),), {}, "torch.tanh", "")
-    assert (call.is_first, call.factors, call.gates, call.matrix, call.in_place, call.overwrites) == (
-        False, (), (), False, False, None)
+    assert (call.is_first, call.factors, call.matrix, call.in_place, call.overwrites, call.prepared) == (
+        False, (), False, False, None, None)

@@ -341,11 +341,11 @@ class _PreparedEpsilon(_DenseEpsilon):
     needs_output = False
 
     def prepare(self, call):
-        call.inverse = 1 / rules.denominator(call.output, 0.25)
+        return 1 / rules.denominator(call.output, 0.25)
 
     def propagate(self, call, relevance):
         (x,) = call.inputs
-        return (x * ((relevance * call.inverse) @ call.weight),)
+        return (x * ((relevance * call.prepared) @ call.weight),)
 
 
 @pytest.mark.parametrize("rule", [_DenseEpsilon(), _PreparedEpsilon()], ids=lambda rule: type(rule).__name__)

@@ -48,9 +48,8 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 
 from . import rules
-from . import ops
 from .graph import OpKind
-from .ops import HANDLERS, op_name
+from .ops import HANDLERS, ROUTING_HANDLERS, op_name
 from .rules import Rule
 
 if TYPE_CHECKING:
@@ -116,9 +115,7 @@ def function_name(func: Callable, check: bool = False) -> str:
 @functools.cache
 def _rule_bearing() -> frozenset[str]:
     """The names of the torch functions whose op calls get a rule (not routing ops, not metadata)."""
-    # handlers that run an op as it is or with a fixed rule: routing, metadata, in-place writes, cat (relprop.ops)
-    fixed = (ops._run, ops._run_in_place, ops._combine)
-    return frozenset(function_name(func) for func, handler in HANDLERS.items() if handler not in fixed)
+    return frozenset(function_name(func) for func, handler in HANDLERS.items() if handler not in ROUTING_HANDLERS)
 
 
 def _pairs(mapping: Mapping | Iterable | None) -> list[tuple]:
@@ -184,7 +181,7 @@ class Composite:
         self._linear = rules.Epsilon(epsilon)
         self._pass = rules.Pass()
         self._uniform = rules.UniformProduct(epsilon)
-        self._gated = rules.SignalTakesAll(epsilon)
+        self._gated = rules.SignalTakesAll(epsilon, self.gate_kinds)
         self._softmax = rules.Softmax()
         self.attention: Rule = self._uniform
 
@@ -206,8 +203,6 @@ class Composite:
         None means winner-take-all (the plain gradient). The engine checks
         with ``rule.accepts`` that the rule can apply once the op has run.
         """
-        if call.kind == "product":
-            call.gates = self.gates(call.factors)
         own = self.own_rule(module)
         if own is not None:
             return own, f"set as .rule on module '{name or '<root>'}'"
@@ -216,7 +211,7 @@ class Composite:
                 return rule, f"name_map pattern {pattern!r}"
         if self._by_function and (found := self._by_function.get(function_name(call.func))) is not None:
             return found[1], f"func_map entry for {found[0]}"
-        if getattr(call, "is_first", False) and call.kind in self.first:
+        if call.is_first and call.kind in self.first:
             return self.first[call.kind], "first layer"
         for types, rule in self.layer_map:
             if call.kind in rule.kinds and isinstance(module, types):
@@ -224,21 +219,6 @@ class Composite:
         if self.smooth_stride is not None and self.smooth_stride.accepts(call):
             return self.smooth_stride, "smooth_stride (a 1x1 convolution with a stride)"
         return self.default(call), "default"
-
-    def gates(self, factors: tuple[str | None, ...]) -> tuple[bool, ...]:
-        """Which factors of a product, tagged ``factors``, are gates that take no relevance.
-
-        Where every factor would be one, an activation output gated by a
-        sigmoid or a softmax is the signal (CP-LRP on squeeze-and-excitation:
-        ``relu(h) * sigmoid(s)``); gates alone share the relevance uniformly.
-        Never may all of it vanish.
-        """
-        gates = tuple(factor in self.gate_kinds for factor in factors)
-        if len(gates) > 1 and all(gates):
-            gates = tuple(factor != "activation" for factor in factors)
-            if all(gates):
-                gates = (False,) * len(gates)
-        return gates
 
     #: the default rule of each op kind, as the name of the composite's attribute that holds it (read at each op,
     #: so a preset or a user that sets ``composite.dense = ...`` changes it). Products choose among three rules

@@ -29,14 +29,12 @@ __all__ = [
     "SoftmaxView",
     "is_attention",
     "is_parametric",
+    "is_product",
 ]
 
 
 class Call(Protocol):
     """Any op call."""
-
-    #: a tensor a rule computes in :meth:`relprop.rules.Rule.prepare` for its ``propagate``; freed with the call
-    inverse: Tensor
 
     @property
     def kind(self) -> str:
@@ -49,6 +47,20 @@ class Call(Protocol):
     @property
     def output(self) -> Tensor:
         """The op's output; None once the engine has dropped it (the rule's ``needs_output`` is False)."""
+
+    @property
+    def prepared(self) -> Tensor:
+        """What the rule's :meth:`~relprop.rules.Rule.prepare` returned for this call, for its ``propagate``."""
+
+    @property
+    def arguments(self) -> dict[str, Any] | None:
+        """The op's arguments other than its activation inputs, by the names its torch function gives them.
+
+        Parametric ops give ``weight`` and ``bias`` (a merged BatchNorm
+        included) and their options; other ops their arguments bound to their
+        signature, defaults filled in. None where the function has no
+        signature to bind to, or the activations are nested in containers.
+        """
 
     @property
     def output_nonnegative(self) -> bool:
@@ -131,8 +143,9 @@ class ProductView(Call, Protocol):
     """A product of activations and constants (``kind`` ``"product"``)."""
 
     @property
-    def gates(self) -> tuple[bool, ...]:
-        """Per factor, whether it is a gate (a sigmoid, a statistic, a divisor, ...)."""
+    def factors(self) -> tuple[str | None, ...]:
+        """Per activation factor, the tag of what produced it (``"sigmoid"``, ``"statistic"``, ``"divisor"``,
+        ``"exp"``, ``"softmax"``, ``"activation"``; None: nothing of note)."""
 
     @property
     def matrix(self) -> bool:
@@ -170,6 +183,11 @@ class AttentionView(Call, Protocol):
 def is_parametric(call: Call) -> TypeGuard[ParametricView]:
     """Whether ``call`` is a parametric linear op (``conv``, ``dense``)."""
     return call.kind in ("conv", "dense")
+
+
+def is_product(call: Call) -> TypeGuard[ProductView]:
+    """Whether ``call`` is a product of activations."""
+    return call.kind == "product"
 
 
 def is_attention(call: Call) -> TypeGuard[AttentionView]:

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import rules
+from .contract import Call
 from .graph import OpCall, OpKind, Workspace, is_activation, model_input, propagate, tap, watch
 from .ops import ALWAYS_HANDLED, HANDLERS, from_aten, has_activation, has_parameter, op_name
 from .tracking import AliasTracker, aliases
@@ -91,7 +92,7 @@ class _Unhandled(rules.Gradient):
     def __init__(self, session: "Session"):
         self._session = session
 
-    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         result = super().propagate(call, relevance)
         # an op without an autograd kernel (a custom or quantized kernel) has no gradient either
         self._session.report(call.describe(), relevance, gradient=any(r is not None for r in result))

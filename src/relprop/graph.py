@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 
@@ -145,6 +146,10 @@ def _lone_storage_count() -> int | None:
     return _storage_count(torch.empty(1))
 
 
+#: op kinds whose autograd backward may save the op's output (else only inputs and parameters)
+_SAVES_OUTPUT = frozenset({OpKind.ELEMENTWISE, OpKind.SOFTMAX, OpKind.UNKNOWN})
+
+
 class OpCall:
     """One operation of the forward pass, as its rule sees it.
 
@@ -172,16 +177,14 @@ class OpCall:
     is_first: bool = False
     #: products: the tag of each activation factor (``"sigmoid"``, ``"softmax"``, ``"divisor"``, ...; None: none)
     factors: tuple[str | None, ...] = ()
-    #: products: which factors are gates that take no relevance; set by the composite that chooses the rule
-    gates: tuple[bool, ...] = ()
     #: products: a matrix product
     matrix: bool = False
     #: softmax: the dimension it normalises
     dim: int
     #: the number of dimensions of the output (set by :func:`propagate`)
     output_dim: int
-    #: a rule's precomputed ``1 / denominator``, kept from :meth:`prepare` to the propagation (freed by :meth:`finish`)
-    inverse: Tensor
+    #: what the rule's ``prepare`` returned (a ``1 / denominator``), kept from :meth:`prepare` to :meth:`finish`
+    prepared: Tensor = None  # type: ignore[assignment]
     #: max pooling: the average pooling over the same windows
     average: Callable[[Tensor], Tensor]
 
@@ -271,6 +274,16 @@ class OpCall:
         if self._graph is not None:  # it may have saved the old memory (a product saves its factors)
             self._rebuild_graph()
 
+    def detach_graph(self) -> None:
+        """Before the output is modified in place: the kept autograd graph built anew if it may have saved it.
+
+        The output is the kept graph's own output, and the backward of an
+        elementwise op (``tanh``, ``sigmoid``, ``exp``) or a softmax saves it;
+        linear ops save only their inputs.
+        """
+        if self._graph is not None and self._linearised is self.func and self.kind in _SAVES_OUTPUT:
+            self._rebuild_graph()
+
     def _rebuild_graph(self) -> None:
         """The op's private autograd graph built again on :attr:`inputs`."""
         with torch.enable_grad():
@@ -322,8 +335,18 @@ class OpCall:
         return self._call(self.func, self.activations)
 
     def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
-        """Vector-Jacobian product of the op with respect to :attr:`inputs`."""
-        leaves, out = self._graph  # type: ignore[misc]  # kept by run() for rules that need the VJP
+        """Vector-Jacobian product of the op with respect to :attr:`inputs`.
+
+        A rule that sets ``needs_vjp`` finds the op's autograd graph kept from
+        the forward pass; for one that does not, it is built here from the
+        kept inputs (the op runs once more).
+        """
+        if self._graph is None:
+            self._rebuild_graph()
+        if self._graph is None:  # a convolution merged with a BatchNorm keeps no inputs to run it on again
+            raise RuntimeError(f"relprop: rule {self.rule!r} takes the VJP of {self.describe()} without setting "
+                               "needs_vjp = True; set it on the rule")
+        leaves, out = self._graph
         return torch.autograd.grad(out, leaves, grad, allow_unused=True)
 
     def take_output(self) -> Tensor | None:
@@ -368,7 +391,7 @@ class OpCall:
             self.output = self.recompute()
         if not self._prepared:
             self._prepared = True
-            self.rule.prepare(self)
+            self.prepared = self.rule.prepare(self)  # type: ignore[assignment]  # None unless the rule prepares
             self.settle()
 
     def finish(self) -> None:
@@ -379,7 +402,7 @@ class OpCall:
         # the arguments hold the inputs too, and the call lives as long as the autograd graph: to its end
         self._leaves = self._outer = None  # type: ignore[assignment]
         self.overwrites = None
-        self.__dict__.pop("inverse", None)
+        self.prepared = None  # type: ignore[assignment]
 
     def settle(self) -> None:
         """Drop the output once nothing will read it: it would keep an activation alive until the backward pass."""
@@ -395,6 +418,7 @@ class OpCall:
         """
         if self.overwrites is not None:
             self.overwrites.protect(copy)
+        self.detach_graph()
         if self.rule is None or self.output is None:
             return
         if copy is not None:
@@ -406,6 +430,26 @@ class OpCall:
 
     def describe(self) -> str:
         return f"{self.name} in module '{self.module_name or '<root>'}'"
+
+    @property
+    def arguments(self) -> dict[str, Any] | None:
+        """The op's arguments other than its activation inputs, by the names its torch function gives them.
+
+        Bound to the function's signature with its defaults filled in
+        (``kernel_size``, ``stride``, ... of ``F.max_pool2d``); None where the
+        function has no signature to bind to, or the activations are nested in
+        containers (no single input to replace).
+        """
+        if self._spec is not None:
+            return None
+        # F.max_pool2d and kin dispatch on return_indices between two functions of one signature
+        func = torch._jit_internal.boolean_dispatched.get(self.func, {}).get("if_false", self.func)
+        try:
+            bound = inspect.signature(func).bind(*self._leaves, **self._constants)
+        except (TypeError, ValueError):  # a builtin without a signature, or arguments it does not take
+            return None
+        bound.apply_defaults()
+        return {name: value for name, value in bound.arguments.items() if not any(value is x for x in self.inputs)}
 
 
 class Workspace:
@@ -616,6 +660,11 @@ class ParametricCall(OpCall):
         shape[1 if self.kind == OpKind.CONV else -1] = -1
         return vector.reshape(shape)
 
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """``weight`` and ``bias`` (a merged BatchNorm included) and the op's options (``stride``, ``padding``, ...)."""
+        return {"weight": self.weight, "bias": self.bias, **self._constants}
+
     def bias_term(self) -> Tensor:
         """The bias, shaped to broadcast against the output."""
         return self._output_shape(self.bias)  # type: ignore[arg-type]  # called where there is a bias
@@ -646,7 +695,7 @@ class ParametricCall(OpCall):
         return super().run()
 
     def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
-        if self._graph is not None:
+        if self._graph is not None or self._transpose is None:
             return super().vjp(grad)
         if self._batch_norm is None:
             return (self._transpose(grad),)  # type: ignore[misc]  # no graph kept: the op is transposable

@@ -29,7 +29,7 @@ from .tracking import AliasTracker, aliases
 if TYPE_CHECKING:
     from .rules import Rule
 
-__all__ = ["HANDLERS", "ALWAYS_HANDLED", "OpHost", "ProductCall", "SoftmaxCall", "MaxPoolCall", "AttentionCall",
+__all__ = ["HANDLERS", "ALWAYS_HANDLED", "ROUTING_HANDLERS", "OpHost", "ProductCall", "SoftmaxCall", "MaxPoolCall", "AttentionCall",
            "from_aten", "has_activation", "has_parameter", "op_name"]
 
 
@@ -975,6 +975,9 @@ for _func, _handler in RECURRENT_HANDLERS.items():
 HANDLERS.update(QUANTIZED_HANDLERS)
 #: handlers that run even without an activation among the arguments (a lookup of integer token ids)
 ALWAYS_HANDLED = frozenset({_embedding})
+#: handlers whose ops take no rule from a composite: routing and metadata as they are, in-place writes, and
+#: ``cat`` and kin with their fixed rule
+ROUTING_HANDLERS = frozenset({_run, _run_in_place, _combine})
 
 for _dims in (1, 2, 3):
     _register(_max_pool(getattr(F, f"_max_pool{_dims}d"), _window_average(getattr(F, f"avg_pool{_dims}d"))),

@@ -29,7 +29,6 @@ rule by its terms; :mod:`relprop.kernels` holds fused forms of the built-in ones
 """
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -39,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .contract import AttentionView, Call, ParametricView, is_attention, is_parametric
+from .contract import (AttentionView, Call, ParametricView, PoolView, ProductView, SoftmaxView, is_attention,
+                       is_parametric, is_product)
 
 if TYPE_CHECKING:
     from .graph import OpCall
@@ -119,14 +119,13 @@ class Rule(Generic[C_contra]):
 
     The flags below tell the engine what to keep for the rule. Each defaults
     to the safe value, so that a rule that sets none is correct; setting one
-    only saves memory or time. The exception is :attr:`needs_vjp`, which a
-    rule that calls ``call.vjp`` sets.
+    only saves memory or time.
     """
 
     #: op kinds this rule applies to
     kinds: frozenset[str] = frozenset()
     #: whether :meth:`propagate` calls ``call.vjp``: the engine then keeps the op's autograd graph from the forward
-    #: pass (without it, ``call.vjp`` works only on a ``conv``/``dense`` call that is ``transposable``)
+    #: pass (without it, ``call.vjp`` runs the op once more on its inputs)
     needs_vjp: bool = False
     #: whether :meth:`propagate` reads ``call.output``; False lets the engine drop the output after the forward pass
     needs_output: bool = True
@@ -156,12 +155,14 @@ class Rule(Generic[C_contra]):
         """
         return False
 
-    def prepare(self, call: C_contra) -> None:
-        """Precompute from ``call.output`` what :meth:`propagate` needs.
+    def prepare(self, call: C_contra) -> Tensor | None:
+        """Precompute from ``call.output`` what :meth:`propagate` needs; :meth:`propagate` reads it as ``call.prepared``.
 
         Called once per call, at the start of the backward pass, or earlier if
-        the output is about to be modified in place.
+        the output is about to be modified in place. The op call keeps what this
+        returns until its backward pass is done.
         """
+        return None
 
     def propagate(self, call: C_contra, relevance: Tensor) -> tuple[Tensor | None, ...]:
         """Return the relevance of each of ``call.inputs`` given the output relevance."""
@@ -200,15 +201,16 @@ class Epsilon(Rule[Call]):
     def accepts(self, call: Call) -> bool:
         return super().accepts(call) and (not self.zero_bias or is_parametric(call))
 
-    def prepare(self, call: Call) -> None:
+    def prepare(self, call: Call) -> Tensor:
+        """``1 / (z + eps sign z)``, with ``z`` the output (less the bias with ``zero_bias``)."""
         if self.zero_bias and is_parametric(call) and call.bias is not None:
-            call.inverse = inverse_denominator(call.output - call.bias_term(), self.epsilon)
-        else:
-            z = call.take_output() if call.output_nonnegative else None
-            call.inverse = inverse_denominator(call.output if z is None else z, self.epsilon, in_place=z is not None)
+            return inverse_denominator(call.output - call.bias_term(), self.epsilon)
+        z = call.take_output() if call.output_nonnegative else None
+        return inverse_denominator(call.output if z is None else z, self.epsilon, in_place=z is not None)
 
     def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
-        scaled = torch.mul(relevance, call.inverse, out=call.inverse)  # the inverse is read once
+        inverse = call.prepared
+        scaled = torch.mul(relevance, inverse, out=inverse)  # the inverse is read once
         grads = call.vjp(scaled)
         if call.kind in PARAMETRIC_KINDS:  # fresh tensors from a transposed product: scaled in place
             return tuple(None if c is None else c.mul_(x) for x, c in zip(call.inputs, grads))
@@ -573,7 +575,7 @@ class Flat(BasicRule):
         return True
 
 
-class Pass(Rule):
+class Pass(Rule[Call]):
     """Pass the output relevance unchanged to the op's single activation input.
 
     Applies to any op with one activation input whose shape the output can be
@@ -585,15 +587,15 @@ class Pass(Rule):
 
     kinds = frozenset({"conv", "dense", "batchnorm", "sum", "norm", "elementwise", "product", "maxpool", "softmax"})
 
-    def accepts(self, call: OpCall) -> bool:
+    def accepts(self, call: Call) -> bool:
         if call.kind not in self.kinds or len(call.inputs) != 1:
             return False
         return _broadcasts_to(call.inputs[0].shape, call.output.shape)
 
-    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         return (_sum_to(relevance, call.inputs[0].shape),)
 
-    def conserves(self, call: OpCall) -> bool:
+    def conserves(self, call: Call) -> bool:
         return True
 
 
@@ -603,7 +605,7 @@ def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
     return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
 
 
-class Gradient(Rule):
+class Gradient(Rule[Call]):
     """The op's plain gradient applied to the relevance.
 
     Exact for ops that only move values (max pooling is winner-take-all this
@@ -616,7 +618,7 @@ class Gradient(Rule):
     needs_vjp = True
     needs_output = False
 
-    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         return call.vjp(relevance)
 
 
@@ -666,7 +668,7 @@ def attention_relevance(call: AttentionView, relevance: Tensor, epsilon: float,
     return tuple(found.get(role) for role in roles)
 
 
-class UniformProduct(Rule):
+class UniformProduct(Rule[Call]):
     """Products of activations (``a * b``, ``a @ b``): each of the k factors gets 1/k.
 
     ``R_i = (1/k) * x_i * VJP_i(R / (z + eps sign z))`` (the AttnLRP rule for
@@ -679,73 +681,103 @@ class UniformProduct(Rule):
     kinds = frozenset({"product", "attention"})
     needs_vjp = True
     needs_output = False
-    prepares = True
 
     def __init__(self, epsilon: float = 1e-6):
         self.epsilon = epsilon
 
-    def prepare(self, call: OpCall) -> None:
-        if call.kind == "product":
-            call.inverse = inverse_denominator(call.output, self.epsilon).div_(len(call.inputs))
+    def prepare(self, call: Call) -> Tensor | None:
+        """``1 / (k (z + eps sign z))`` of a product of k factors."""
+        return inverse_denominator(call.output, self.epsilon).div_(len(call.inputs)) if is_product(call) else None
 
-    def conserves(self, call: OpCall) -> bool:
-        return call.kind == "product"  # a product of k activations is k-linear: x * grad sums to k z
+    def conserves(self, call: Call) -> bool:
+        return is_product(call)  # a product of k activations is k-linear: x * grad sums to k z
 
-    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         if is_attention(call):
             return attention_relevance(call, relevance, self.epsilon, values_only=False)
-        return tuple(None if c is None else x * c for x, c in zip(call.inputs, call.vjp(relevance * call.inverse)))
+        return tuple(None if c is None else x * c for x, c in zip(call.inputs, call.vjp(relevance * call.prepared)))
 
 
-class SignalTakesAll(Rule):
+class SignalTakesAll(Rule[Call]):
     """Gated products ``gate * signal``: the signal gets all relevance, the gate none.
 
-    Which factor is the gate the composite decides from what produced it: a
-    sigmoid (LSTM gates, Arras et al. 2017; squeeze-and-excitation), a
-    normalising statistic (``x * rsqrt(var)``), a divisor, and for CP-LRP
-    also attention weights and activations of gated MLPs. On fused attention
-    all relevance goes to the values (CP-LRP).
+    A factor is a gate when its tag (what produced it, :attr:`ProductView.factors
+    <relprop.contract.ProductView.factors>`) is one of ``gate_kinds``: by default
+    a sigmoid (LSTM gates, Arras et al. 2017; squeeze-and-excitation), a
+    normalising statistic (``x * rsqrt(var)``), a divisor and an exponential
+    weight; CP-LRP adds attention weights (``"softmax"``) and activations of
+    gated MLPs (``"activation"``). On fused attention all relevance goes to the
+    values (CP-LRP).
+
+    Parameters
+    ----------
+    epsilon : float
+        Stabiliser of the epsilon rule of a matrix product's signal.
+    gate_kinds : iterable of str
+        The factor tags that make a factor a gate.
     """
+
+    #: the factor tags that make a factor a gate unless a composite says otherwise (AttnLRP's)
+    GATE_KINDS = frozenset({"sigmoid", "statistic", "divisor", "exp"})
 
     kinds = frozenset({"product", "attention"})
     needs_vjp = True  # for matrix products: the linear map of the signal, with the gate held constant
     needs_output = False
-    prepares = True
 
-    def __init__(self, epsilon: float = 1e-6):
+    def __init__(self, epsilon: float = 1e-6, gate_kinds: Iterable[str] = GATE_KINDS):
         self.epsilon = epsilon
+        self.gate_kinds = frozenset(gate_kinds)
 
-    def accepts(self, call: OpCall) -> bool:
+    def gates(self, call: ProductView) -> tuple[bool, ...]:
+        """Which factors of the product ``call`` are gates that take no relevance.
+
+        Where every factor would be one, an activation output gated by a
+        sigmoid or a softmax is the signal (CP-LRP on squeeze-and-excitation:
+        ``relu(h) * sigmoid(s)``); gates alone share the relevance uniformly
+        (none is a gate). Never may all of it vanish.
+        """
+        factors = call.factors
+        gates = tuple(factor in self.gate_kinds for factor in factors)
+        if len(gates) > 1 and all(gates):
+            gates = tuple(factor != "activation" for factor in factors)
+            if all(gates):
+                gates = (False,) * len(gates)
+        return gates
+
+    def accepts(self, call: Call) -> bool:
         """Fused attention, or a product with a gate and at most one other activation factor.
 
         A gate times a constant (``r * b_hn`` at the first step of a GRU): the
         relevance belongs to the constant, and is absorbed.
         """
-        if call.kind == "attention":
+        if is_attention(call):
             return True
-        gates = getattr(call, "gates", ())
-        return call.kind in self.kinds and any(gates) and len(gates) - sum(gates) <= 1
+        if not is_product(call):
+            return False
+        gates = self.gates(call)
+        return any(gates) and len(gates) - sum(gates) <= 1
 
-    def prepare(self, call: OpCall) -> None:
-        if getattr(call, "matrix", False):
-            call.inverse = inverse_denominator(call.output, self.epsilon)
+    def prepare(self, call: Call) -> Tensor | None:
+        """A matrix product's ``1 / (z + eps sign z)``."""
+        return inverse_denominator(call.output, self.epsilon) if is_product(call) and call.matrix else None
 
-    def conserves(self, call: OpCall) -> bool:
+    def conserves(self, call: Call) -> bool:
         """A gate times a constant gives the constant the relevance; else the signal takes all of it."""
-        return call.kind == "attention" or not all(call.gates)
+        return is_attention(call) or (is_product(call) and not all(self.gates(call)))
 
-    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         if is_attention(call):
             return attention_relevance(call, relevance, self.epsilon, values_only=True)
-        if getattr(call, "matrix", False):  # attn @ v: epsilon rule of v's linear map
-            grads = call.vjp(relevance * call.inverse)
-            return tuple(None if gate else x * c  # type: ignore[operator]
-                         for x, c, gate in zip(call.inputs, grads, call.gates))
+        assert is_product(call)  # accepts() took only products and attention
+        gates = self.gates(call)
+        if call.matrix:  # attn @ v: epsilon rule of v's linear map
+            grads = call.vjp(relevance * call.prepared)
+            return tuple(None if gate or c is None else x * c for x, c, gate in zip(call.inputs, grads, gates))
         # gate * signal elementwise: the signal's share is all of it
-        return tuple(None if gate else _sum_to(relevance, x.shape) for x, gate in zip(call.inputs, call.gates))
+        return tuple(None if gate else _sum_to(relevance, x.shape) for x, gate in zip(call.inputs, gates))
 
 
-class Softmax(Rule):
+class Softmax(Rule[SoftmaxView]):
     """Softmax inside the model (AttnLRP): ``R_x = x * (R - s * sum(R))`` along the softmax dimension.
 
     This equals Gradient x Input through the softmax. It is not conservative:
@@ -757,7 +789,7 @@ class Softmax(Rule):
     kinds = frozenset({"softmax"})
     needs_output = True
 
-    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+    def propagate(self, call: SoftmaxView, relevance: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = call.inputs
         s = call.output
         taylor = relevance.to(s.dtype) - s * relevance.to(s.dtype).sum(call.dim, keepdim=True)
@@ -765,32 +797,12 @@ class Softmax(Rule):
         return (out,)
 
 
-def _arguments(call: OpCall) -> dict[str, Any] | None:
-    """The op's arguments other than its activation input, by the names its torch function gives them.
-
-    Parametric ops (convolutions, dense layers) give ``weight`` and ``bias``, a
-    merged BatchNorm included, and their options (``stride``, ``padding``,
-    ``dilation``, ``groups``); other ops their arguments bound to their
-    signature, defaults filled in (``kernel_size``, ``stride``, ... of
-    ``F.max_pool2d``). None where the function has no signature to bind to.
-    """
-    # the op call keeps its arguments as they were given (private to relprop.graph): read here, never written
-    if call.kind in PARAMETRIC_KINDS:
-        return {"weight": call.weight, "bias": call.bias, **call._constants}  # type: ignore[attr-defined]
-    if call._spec is not None:  # activations nested in containers: no single input to replace
-        return None
-    # F.max_pool2d and kin dispatch on return_indices between two functions of one signature
-    func = torch._jit_internal.boolean_dispatched.get(call.func, {}).get("if_false", call.func)
-    try:
-        bound = inspect.signature(func).bind(*call._leaves, **call._constants)
-    except (TypeError, ValueError):  # a builtin without a signature, or arguments it does not take
-        return None
-    bound.apply_defaults()
-    return {name: value for name, value in bound.arguments.items()
-            if not any(value is x for x in call.inputs)}
+def _arguments(call: Call) -> dict[str, Any] | None:
+    """The op's arguments other than its activation input (:attr:`relprop.contract.Call.arguments`)."""
+    return call.arguments
 
 
-class AsFunction(Rule):
+class AsFunction(Rule[C_contra]):
     """The op's relevance propagated as if it computed ``surrogate``, by the epsilon rule on the surrogate.
 
     The forward pass keeps the op's real output; only the backward pass
@@ -833,15 +845,15 @@ class AsFunction(Rule):
         self.epsilon = epsilon
         self.kinds = frozenset(kinds)
 
-    def accepts(self, call: OpCall) -> bool:
+    def accepts(self, call: C_contra) -> bool:
         """An op of the rule's kinds with one activation input and arguments the surrogate can be given."""
-        return call.kind in self.kinds and len(call.inputs) == 1 and _arguments(call) is not None
+        return call.kind in self.kinds and len(call.inputs) == 1 and call.arguments is not None
 
-    def surrogate_output(self, call: OpCall, x: Tensor) -> Tensor:
+    def surrogate_output(self, call: C_contra, x: Tensor) -> Tensor:
         """The surrogate at ``x`` with ``call``'s arguments; rules that build the surrogate from the call override it."""
-        return self.surrogate(x, **_arguments(call))  # type: ignore[arg-type]  # accepts() checked the arguments
+        return self.surrogate(x, **call.arguments)  # type: ignore[arg-type]  # accepts() checked the arguments
 
-    def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+    def propagate(self, call: C_contra, relevance: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = call.inputs
         with torch.enable_grad():
             leaf = x.detach().requires_grad_()
@@ -858,7 +870,7 @@ class AsFunction(Rule):
         return f"{type(self).__name__}(epsilon={self.epsilon!r})"  # the surrogate is the rule's own
 
 
-class Proportional(AsFunction):
+class Proportional(AsFunction[PoolView]):
     """Max pooling propagated like the average pooling over the same windows: :class:`AsFunction` of it.
 
     Each window's relevance is shared in proportion to its inputs instead of
@@ -875,13 +887,13 @@ class Proportional(AsFunction):
     def __init__(self, epsilon: float = 1e-6):
         super().__init__(_no_surrogate, epsilon, kinds=("maxpool",))
 
-    def accepts(self, call: OpCall) -> bool:
+    def accepts(self, call: PoolView) -> bool:
         return call.kind in self.kinds and len(call.inputs) == 1
 
-    def conserves(self, call: OpCall) -> bool:
+    def conserves(self, call: PoolView) -> bool:
         return True
 
-    def surrogate_output(self, call: OpCall, x: Tensor) -> Tensor:
+    def surrogate_output(self, call: PoolView, x: Tensor) -> Tensor:
         return call.average(x)  # the op family's average pooling over the op's own windows (relprop.ops)
 
 

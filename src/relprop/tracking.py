@@ -156,8 +156,11 @@ class AliasTracker:
         """
         if func not in KEEPS_NONZERO:
             self.protect(target)
-        else:
-            self.before_write(target)
+            return
+        call = self._producers.get(target)
+        if call is not None:
+            call.detach_graph()
+        self.before_write(target)
 
     # ------------------------------------------------------------ entries an in-place ReLU set to 0
 
