@@ -7,7 +7,8 @@ import relprop
 from relprop import rules
 from relprop.composites import Composite
 from relprop.engine import ModuleContext, Session
-from relprop.graph import OpCall, OpKind
+from relprop.contract import OpKind
+from relprop.graph import OpCall
 
 
 class NewGELUActivation(nn.Module):  # named as Hugging Face's: run as one op

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from relprop import ops
-from relprop.graph import OpCall, OpKind
+from relprop.contract import OpKind
+from relprop.graph import OpCall
 
 
 def test_registering_a_name_this_torch_lacks_raises_and_names_it():

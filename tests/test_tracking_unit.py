@@ -6,7 +6,8 @@ from torch import nn
 
 from relprop.composites import Composite
 from relprop.engine import Session
-from relprop.graph import OpCall, OpKind
+from relprop.contract import OpKind
+from relprop.graph import OpCall
 from relprop.tracking import AliasTracker
 
 

@@ -3,7 +3,7 @@
 The engine hands every rule an op call (:class:`relprop.graph.OpCall` or a
 subclass); a rule reads it only through these protocols, so the op calls'
 other members are the engine's to change. Which protocol a call satisfies
-follows from its ``kind`` (:mod:`relprop.rules`): ``"conv"`` and ``"dense"``
+follows from its ``kind`` (:class:`OpKind`): ``"conv"`` and ``"dense"``
 calls are :class:`ParametricView`, ``"attention"`` calls
 :class:`AttentionView`, ``"product"`` calls :class:`ProductView`,
 ``"softmax"`` calls :class:`SoftmaxView`, ``"maxpool"`` calls
@@ -11,6 +11,7 @@ calls are :class:`ParametricView`, ``"attention"`` calls
 """
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard, overload
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttentionView",
     "Call",
+    "OpKind",
     "ParametricView",
     "PoolView",
     "ProductView",
@@ -31,6 +33,36 @@ __all__ = [
     "is_parametric",
     "is_product",
 ]
+
+
+class OpKind(enum.StrEnum):
+    """The op families (docs/design.md, section 3): what a rule may assume about an op, and the view it reads.
+
+    Members are strings (``OpKind.CONV == "conv"``), so a rule's ``kinds`` may name them either way.
+    """
+
+    #: convolutions, parametric linear maps ``f(x; weight, bias)``
+    CONV = "conv"
+    #: dense layers (``F.linear``, Hugging Face's ``Conv1D``)
+    DENSE = "dense"
+    #: a BatchNorm that could not be merged into the op before it: an affine map
+    BATCHNORM = "batchnorm"
+    #: sums, means, average pooling, interpolation, routing with constants mixed in
+    SUM = "sum"
+    #: layer, group and RMS norm with their statistic held constant
+    NORM = "norm"
+    #: elementwise nonlinearities and scalings by constants
+    ELEMENTWISE = "elementwise"
+    #: products of activations, divisions, matrix products
+    PRODUCT = "product"
+    #: max pooling
+    MAXPOOL = "maxpool"
+    #: softmax inside the model
+    SOFTMAX = "softmax"
+    #: fused attention (``F.scaled_dot_product_attention``)
+    ATTENTION = "attention"
+    #: an op without a rule: its plain gradient, reported
+    UNKNOWN = "unknown"
 
 
 class Call(Protocol):

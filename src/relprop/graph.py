@@ -10,7 +10,6 @@ in the backward pass.
 """
 from __future__ import annotations
 
-import enum
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -20,41 +19,13 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .contract import OpKind
+
 if TYPE_CHECKING:
     from .rules import Rule
 
 __all__ = ["OpKind", "OpCall", "ParametricCall", "InPlaceSumCall", "Workspace", "is_activation", "propagate", "watch", "tap",
            "substitute", "is_relevance_node", "model_input", "routed_image"]
-
-
-class OpKind(enum.StrEnum):
-    """The op families (docs/design.md, section 3): what a rule may assume about an op.
-
-    Members are strings (``OpKind.CONV == "conv"``), so a rule's ``kinds`` may name them either way.
-    """
-
-    #: convolutions, parametric linear maps ``f(x; weight, bias)``
-    CONV = "conv"
-    #: dense layers (``F.linear``, Hugging Face's ``Conv1D``)
-    DENSE = "dense"
-    #: a BatchNorm that could not be merged into the op before it: an affine map
-    BATCHNORM = "batchnorm"
-    #: sums, means, average pooling, interpolation, routing with constants mixed in
-    SUM = "sum"
-    #: layer, group and RMS norm with their statistic held constant
-    NORM = "norm"
-    #: elementwise nonlinearities and scalings by constants
-    ELEMENTWISE = "elementwise"
-    #: products of activations, divisions, matrix products
-    PRODUCT = "product"
-    #: max pooling
-    MAXPOOL = "maxpool"
-    #: softmax inside the model
-    SOFTMAX = "softmax"
-    #: fused attention (``F.scaled_dot_product_attention``)
-    ATTENTION = "attention"
-    #: an op without a rule: its plain gradient, reported
-    UNKNOWN = "unknown"
 
 
 def is_activation(value: Any) -> TypeGuard[Tensor]:
@@ -146,8 +117,10 @@ def _lone_storage_count() -> int | None:
     return _storage_count(torch.empty(1))
 
 
-#: op kinds whose autograd backward may save the op's output (else only inputs and parameters)
-_SAVES_OUTPUT = frozenset({OpKind.ELEMENTWISE, OpKind.SOFTMAX, OpKind.UNKNOWN})
+#: op kinds whose autograd backward saves inputs and parameters only, never the op's output (a ``tanh``, a softmax
+#: or a fused attention saves its output)
+_SAVES_NO_OUTPUT = frozenset({OpKind.CONV, OpKind.DENSE, OpKind.BATCHNORM, OpKind.SUM, OpKind.NORM, OpKind.PRODUCT,
+                              OpKind.MAXPOOL})
 
 
 class OpCall:
@@ -278,10 +251,10 @@ class OpCall:
         """Before the output is modified in place: the kept autograd graph built anew if it may have saved it.
 
         The output is the kept graph's own output, and the backward of an
-        elementwise op (``tanh``, ``sigmoid``, ``exp``) or a softmax saves it;
-        linear ops save only their inputs.
+        elementwise op (``tanh``, ``sigmoid``, ``exp``), a softmax or an
+        attention saves it; linear ops save only their inputs.
         """
-        if self._graph is not None and self._linearised is self.func and self.kind in _SAVES_OUTPUT:
+        if self._graph is not None and self._linearised is self.func and self.kind not in _SAVES_NO_OUTPUT:
             self._rebuild_graph()
 
     def _rebuild_graph(self) -> None:

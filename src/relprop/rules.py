@@ -4,23 +4,9 @@ A rule is a small object with parameters. The engine hands it an *op call*
 (one operation of the forward pass) and the relevance arriving at that
 operation's output; the rule returns the relevance of each of the
 operation's activation inputs. What a rule may read and call on an op call is
-the contract of :mod:`relprop.contract`; the call's ``kind`` is its op family:
-
-``"conv"``, ``"dense"``
-    Parametric linear maps (:class:`~relprop.contract.ParametricView`: weight,
-    bias, the op re-evaluated with other inputs or parameters).
-``"batchnorm"``
-    A BatchNorm that could not be merged into the layer before it.
-``"sum"``
-    Sums, means, average pooling, interpolation, matrix products with a constant.
-``"norm"``
-    Layer, group and RMS norm with the statistic held constant.
-``"elementwise"``, ``"product"``, ``"maxpool"``, ``"softmax"``, ``"attention"``
-    Elementwise nonlinearities, products of activations
-    (:class:`~relprop.contract.ProductView`), max pooling, softmax inside the
-    model, fused attention (:class:`~relprop.contract.AttentionView`).
-``"unknown"``
-    An op without a handler: its plain gradient, reported.
+the contract of :mod:`relprop.contract`; the call's ``kind`` is its op family,
+a member of :class:`relprop.contract.OpKind`, whose members say what each
+family holds.
 
 Linear rules follow the general form of docs/design.md, section 2: with modified
 parameters ``rho`` the modified output ``z'`` is computed, ``s = R / (z' +
@@ -38,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .contract import (AttentionView, Call, ParametricView, PoolView, ProductView, SoftmaxView, is_attention,
+from .contract import (AttentionView, Call, OpKind, ParametricView, PoolView, ProductView, SoftmaxView, is_attention,
                        is_parametric, is_product)
 
 if TYPE_CHECKING:
@@ -56,9 +42,9 @@ __all__ = [
 C_contra = TypeVar("C_contra", bound=Call, contravariant=True)
 
 #: Op kinds that are linear in their activation inputs.
-LINEAR_KINDS = frozenset({"conv", "dense", "batchnorm", "sum", "norm"})
+LINEAR_KINDS = frozenset({OpKind.CONV, OpKind.DENSE, OpKind.BATCHNORM, OpKind.SUM, OpKind.NORM})
 #: Op kinds with a weight and a bias that rules may modify.
-PARAMETRIC_KINDS = frozenset({"conv", "dense"})
+PARAMETRIC_KINDS = frozenset({OpKind.CONV, OpKind.DENSE})
 
 
 def _stabilizer(epsilon: float, dtype: torch.dtype) -> float:
@@ -585,7 +571,8 @@ class Pass(Rule[Call]):
 
     needs_output = False
 
-    kinds = frozenset({"conv", "dense", "batchnorm", "sum", "norm", "elementwise", "product", "maxpool", "softmax"})
+    #: every kind but the ones with several activation inputs or without a rule (where passing it on is a guess)
+    kinds = frozenset(OpKind) - {OpKind.ATTENTION, OpKind.UNKNOWN}
 
     def accepts(self, call: Call) -> bool:
         if call.kind not in self.kinds or len(call.inputs) != 1:
@@ -613,8 +600,7 @@ class Gradient(Rule[Call]):
     with a warning, for ops it has no rule for.
     """
 
-    kinds = frozenset({"conv", "dense", "batchnorm", "sum", "norm", "elementwise", "product", "maxpool", "softmax",
-                       "unknown"})
+    kinds = frozenset(OpKind)
     needs_vjp = True
     needs_output = False
 
