@@ -959,7 +959,9 @@ class SmoothStride(AsFunction):
             return True
         if not self.any_stride or call.kind != "conv":
             return False
-        return self.rule.accepts(call) if self.rule is not None else _arguments(call) is not None
+        if self.rule is not None:
+            return self.rule.accepts(call)  # type: ignore[arg-type]  # a conv call is parametric
+        return _arguments(call) is not None
 
     def conserves(self, call: OpCall) -> bool:
         if call.kind == "maxpool":
@@ -1048,7 +1050,7 @@ def _boxed(weight: Tensor, stride: tuple[int, ...], dilation: tuple[int, ...]) -
     """
     if any(d > 1 for d in dilation):
         spread = weight.new_zeros(*weight.shape[:2], *((k - 1) * d + 1 for k, d in zip(weight.shape[2:], dilation)))
-        spread[(..., *(slice(None, None, d) for d in dilation))] = weight
+        spread[(slice(None), slice(None), *(slice(None, None, d) for d in dilation))] = weight
         weight = spread
     dims = len(stride)
     for axis, step in enumerate(stride):
