@@ -901,8 +901,8 @@ class SmoothStride(AsFunction):
     Every input pixel then has the same total weight of windows over it along
     each dimension (the polyphase sums of a kernel convolved with an ``s``-box
     are equal). For a 1x1 kernel that is an ``s x s`` kernel of ``W / s**2``.
-    Max pooling (dilation 1 or more) is propagated as the same smoothing of the
-    average over its windows (padding counts as zeros, as in
+    Max pooling is propagated as the same smoothing of the average over its
+    windows (padding counts as zeros, as in
     :class:`Proportional`): a 3x3 window with stride 2 as the 4x4 kernel
     ``[1, 2, 2, 1]^T [1, 2, 2, 1] / 36``. Windows that run over the input's far
     end read zeros there, as padding, so that the output keeps the op's size.
