@@ -1,14 +1,18 @@
-"""Checkerboards from ResNet50's strided 1x1 shortcuts, and the heatmaps without them (``smooth_stride=True``).
+"""Checkerboards from ResNet50's strided layers, and the heatmaps without them (``smooth_stride=True``).
 
-ResNet's downsampling shortcut is a 1x1 convolution with stride 2: it reads one pixel of every 2x2 block, so the
-plain rules hand the shortcut's relevance to a quarter of the pixels, and the heatmap shows a lattice.
-``rules.SmoothStride`` propagates it as if it read each block's average. This script explains ResNet50 on the
-pictures in examples/pictures both ways and prints the checkerboard share (``relprop.evaluate.checkerboard``) of
-the relevance at the outputs of the stages that the shortcuts read (period 2: every other pixel) and of the input
-heatmap (period 32, which holds every lattice of the network's strided layers), and draws them side by side.
+A strided layer covers some input pixels with more of its windows than others: ResNet's downsampling shortcut (a
+1x1 convolution with stride 2) reads one pixel of every 2x2 block, the stem's 7x7 stride-2 convolution covers a
+pixel with 4 windows along a dimension at one parity and 3 at the other, its 3x3 stride-2 max pool with 2 or 1. The
+plain rules hand relevance on along those windows, and the heatmap shows a lattice. ``rules.SmoothStride``
+propagates each strided convolution and max pool as its stride-1 form followed by the average of each stride x
+stride block, which covers every pixel alike. This script explains ResNet50 on the pictures in examples/pictures
+both ways and prints the checkerboard share (``relprop.evaluate.checkerboard``) of the relevance at the outputs of
+the stages that the shortcuts read (period 2: every other pixel) and of the input heatmap (period 32, which holds
+every lattice of the network's strided layers), then the input heatmap's share under each ResNet-friendly preset,
+and draws the heatmaps side by side.
 
 No pretrained weights are available offline: the model is torchvision's ResNet50 with its random initialisation
-(seed 0). The checkerboard comes from the architecture (which pixels a shortcut reads), not from the weights.
+(seed 0). The checkerboard comes from the architecture (which pixels the strided layers read), not from the weights.
 
     python examples/smooth_stride.py --out docs/smooth_stride.png
 """
@@ -50,15 +54,25 @@ def resnet50(seed: int = 0) -> nn.Module:
 STAGES = ("layer1", "layer2", "layer3")
 
 
-def explain(model: nn.Module, pixels: Tensor, smooth: bool, preset: str = "epsilon-plus-flat"
-            ) -> tuple[Tensor, list[Tensor]]:
-    """Channel-summed relevance of each picture's top class at the input and at the outputs of :data:`STAGES`."""
+#: the presets whose input heatmaps the second table compares (the ResNet-friendly ones)
+PRESETS = ("epsilon-plus", "epsilon-plus-flat", "epsilon-alpha2-beta1-flat", "epsilon-gamma-box")
+
+
+def composite(preset: str, smooth: bool) -> relprop.composites.Composite:
+    """The preset, with ``smooth_stride``; epsilon-gamma-box with the bounds of pixels in [0, 1], normalised."""
+    bounds = {"low": (0 - MEAN) / STD, "high": (1 - MEAN) / STD} if preset == "epsilon-gamma-box" else {}
+    return relprop.composites.get(preset, smooth_stride=smooth, **bounds)
+
+
+def explain(model: nn.Module, pixels: Tensor, smooth: bool, preset: str = "epsilon-plus-flat",
+            stages: tuple[str, ...] = ()) -> tuple[Tensor, list[Tensor]]:
+    """Channel-summed relevance of each picture's top class at the input and at the outputs of ``stages``."""
     inputs = (pixels - MEAN) / STD
     with torch.no_grad():
         target = model(inputs).argmax(1)
-    composite = relprop.composites.get(preset, smooth_stride=smooth)
-    stages = relprop.LayerLRP(model, list(STAGES), composite).attribute(inputs, target=target)
-    return relprop.LRP(model, composite).attribute(inputs, target=target).sum(1), [r.sum(1) for r in stages]
+    rules = composite(preset, smooth)
+    found = relprop.LayerLRP(model, list(stages), rules).attribute(inputs, target=target) if stages else []
+    return relprop.LRP(model, rules).attribute(inputs, target=target).sum(1), [r.sum(1) for r in found]
 
 
 def main() -> None:
@@ -67,7 +81,7 @@ def main() -> None:
     parser.add_argument("--preset", default="epsilon-plus-flat", help="the LRP preset (a ResNet-friendly one)")
     args = parser.parse_args()
     pixels, model = load_pictures(), resnet50()
-    found = {smooth: explain(model, pixels, smooth, args.preset) for smooth in (False, True)}
+    found = {smooth: explain(model, pixels, smooth, args.preset, STAGES) for smooth in (False, True)}
     print(f"checkerboard share of ResNet50 relevance ({args.preset}, random weights, seed 0), plain -> smooth_stride:\n")
     print("| picture | " + " | ".join(f"{stage} output (period 2)" for stage in STAGES)
           + f" | input heatmap (period {PERIOD}) |")
@@ -79,6 +93,12 @@ def main() -> None:
         cells = [(before.mean() if index is None else before[index], after.mean() if index is None else after[index])
                  for before, after in zip(shares[False], shares[True])]
         print(f"| {name} | " + " | ".join(f"{before:.3f} -> {after:.3f}" for before, after in cells) + " |")
+    print(f"\nmean checkerboard share of the input heatmap (period {PERIOD}) by preset, plain -> smooth_stride:\n")
+    print("| preset | input heatmap |\n|---|---:|")
+    for preset in PRESETS:
+        before, after = (checkerboard(explain(model, pixels, smooth, preset)[0], PERIOD).mean() for smooth in
+                         (False, True))
+        print(f"| {preset} | {before:.3f} -> {after:.3f} |")
     columns = {"input heatmap": found[False][0], "input heatmap, smooth_stride": found[True][0],
                f"{STAGES[0]} output": found[False][1][0], f"{STAGES[0]} output, smooth_stride": found[True][1][0]}
     path = save_heatmap_grid(pixels, columns, args.out, cmap="bwr", clip=99.5, cell_inches=2.0)

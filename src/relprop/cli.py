@@ -206,8 +206,9 @@ def preset_option(function: F) -> F:
         click.option("--preset", type=click.Choice(list(composites.PRESETS)), default="epsilon-plus-flat",
                      metavar="NAME", help=f"The LRP rules, one of {', '.join(composites.PRESETS)}."),
         click.option("--smooth-stride", is_flag=True, expose_value=False, callback=_remember_smooth_stride,
-                     help="Propagate strided 1x1 convolutions (ResNet's downsampling shortcuts) as the average of "
-                          "each stride x stride block: no checkerboard in the heatmap."),
+                     help="Propagate strided convolutions and max pools (ResNet's stem and downsampling layers) as "
+                          "their stride-1 form averaged over each stride x stride block: no checkerboard in the "
+                          "heatmap."),
         click.option("--func-rule", multiple=True, metavar="FUNCTION=RULE", expose_value=False,
                      callback=_remember_func_rules,
                      help="The rule for every call of a torch function, by name (repeatable), e.g. "

@@ -15,7 +15,8 @@ relevance through it. The answer is found in this order, first match wins:
    a model input through routing ops only (reshape, pad, ...).
 5. ``layer_map``: the first ``(module type(s), rule)`` matching the module.
 6. ``smooth_stride``: :class:`~relprop.rules.SmoothStride` on convolutions
-   with a 1x1 kernel and a stride above 1.
+   and max pooling with a stride above 1 (a first layer's own rule is
+   smoothed at step 4).
 7. The preset's rule for convolutions (``conv``) and dense layers (``dense``).
 8. The op family's default: epsilon (with the composite's epsilon) on sums,
    average pooling, normalisation and BatchNorms that follow no linear op;
@@ -152,12 +153,17 @@ class Composite:
         function that relevance only passes through (``reshape``,
         ``torch.max``) or that relprop has no op for raises ``ValueError``.
     smooth_stride : bool
-        Propagate every convolution with a 1x1 kernel and a stride above 1
-        (ResNet's downsampling shortcut) as if it read the average of each
-        stride x stride block (:class:`~relprop.rules.SmoothStride`, with the
-        rule for convolutions ``conv`` where that is ZPlus, AlphaBeta or
-        Gamma, else the epsilon rule), which removes the checkerboard such a
-        layer leaves in heatmaps. After ``layer_map``, before ``conv``.
+        Propagate every convolution and max pooling with a stride above 1
+        (ResNet's stem, its strided 3x3 convolutions and downsampling
+        shortcuts) as its stride-1 form followed by the average of each
+        stride x stride block (:class:`~relprop.rules.SmoothStride`: with the
+        rule for convolutions ``conv`` where that is built from terms, ZPlus,
+        AlphaBeta, Gamma, ..., else the epsilon rule; max pooling by the
+        epsilon rule), which removes the checkerboard such layers leave in
+        heatmaps. After ``layer_map``, before ``conv``. A ``first`` rule for
+        convolutions built from terms or epsilon (Flat, ZBox) is smoothed
+        likewise where the first layer is strided, and applies as it is where
+        not.
     """
 
     #: what makes a factor of a product a gate that takes no relevance: a sigmoid output, a normalising
@@ -177,7 +183,10 @@ class Composite:
         self._by_function: dict[str, tuple[str, Rule]] = {}  # function name -> (the key's name, its rule)
         for func, rule in self.func_map:
             self._by_function.setdefault(function_name(func, check=True), (op_name(func), rule))
-        self.smooth_stride = self._smooth_stride() if smooth_stride else None
+        self.smooth_stride = self._smoothed(self.conv) if smooth_stride else None
+        # a first layer (the stem) takes its own rule before smooth_stride is asked: that rule is smoothed itself
+        if smooth_stride and isinstance(self.first.get("conv"), (rules.BasicRule, rules.Epsilon)):
+            self.first["conv"] = self._smoothed(self.first["conv"], any_stride=True)
         self._linear = rules.Epsilon(epsilon)
         self._pass = rules.Pass()
         self._uniform = rules.UniformProduct(epsilon)
@@ -185,11 +194,13 @@ class Composite:
         self._softmax = rules.Softmax()
         self.attention: Rule = self._uniform
 
-    def _smooth_stride(self) -> rules.SmoothStride:
-        """SmoothStride with this composite's rule for convolutions (ZPlus, AlphaBeta, Gamma) or its epsilon."""
-        if isinstance(self.conv, rules.BasicRule):
-            return rules.SmoothStride(rule=self.conv)
-        return rules.SmoothStride(self.conv.epsilon if isinstance(self.conv, rules.Epsilon) else self.epsilon)
+    def _smoothed(self, rule: Rule, any_stride: bool = False) -> rules.SmoothStride:
+        """SmoothStride with ``rule`` where that is built from terms (ZPlus, Flat, ZBox, ...), else the epsilon rule
+        with ``rule``'s epsilon; the composite's epsilon on max pooling."""
+        if isinstance(rule, rules.BasicRule):
+            return rules.SmoothStride(self.epsilon, rule=rule, any_stride=any_stride)
+        epsilon = rule.epsilon if isinstance(rule, rules.Epsilon) else self.epsilon
+        return rules.SmoothStride(epsilon, any_stride=any_stride)
 
     @staticmethod
     def own_rule(module: nn.Module | None) -> Rule | None:
