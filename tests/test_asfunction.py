@@ -529,3 +529,18 @@ def test_smooth_stride_removes_the_shortcut_checkerboard_resnet50():
     before, after = (checkerboard(_lrp(model, x, target, EpsilonPlusFlat(smooth_stride=smooth)).sum(1), 32)
                      for smooth in (False, True))
     assert before > 0.1 and after < before / 5, (before, after)
+
+
+def test_a_dilated_max_pool_runs_winner_take_all_and_smoothed_but_refuses_proportional():
+    # average pooling has no dilation: Proportional cannot apply and says so; the smoothed pool builds its own kernel
+    pool = nn.Sequential(nn.MaxPool2d(3, 2, 1, dilation=2)).double().eval()
+    x = torch.rand(1, 2, 9, 9, dtype=torch.float64) + 0.1
+    seed = torch.ones_like(pool(x))
+    winner = relprop.LRP(pool).attribute(x, target=seed)
+    assert winner.sum().item() == pytest.approx(seed.numel()) and (winner > 0).sum() <= seed.numel()
+    with pytest.raises(relprop.RuleError, match="Proportional.*cannot apply.*module '0'"):
+        relprop.LRP(pool, relprop.Composite(layer_map=[(nn.MaxPool2d, relprop.rules.Proportional())])).attribute(
+            x, target=seed)
+    smoothed = relprop.LRP(pool, relprop.composites.get("epsilon", smooth_stride=True)).attribute(x, target=seed)
+    assert smoothed.sum().item() == pytest.approx(seed.numel(), rel=1e-4)  # up to the stabiliser
+    assert (smoothed > 0).sum() > (winner > 0).sum()

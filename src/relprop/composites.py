@@ -228,7 +228,7 @@ class Composite:
             if call.kind in rule.kinds and isinstance(module, types):
                 return rule, f"layer_map entry for {types}"
         if self.smooth_stride is not None and self.smooth_stride.accepts(call):
-            return self.smooth_stride, "smooth_stride (a 1x1 convolution with a stride)"
+            return self.smooth_stride, "smooth_stride (a strided convolution or max pool)"
         return self.default(call), "default"
 
     #: the default rule of each op kind, as the name of the composite's attribute that holds it (read at each op,

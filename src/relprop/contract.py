@@ -196,8 +196,8 @@ class PoolView(Call, Protocol):
     """A max pooling (``kind`` ``"maxpool"``)."""
 
     @property
-    def average(self) -> Callable[[Tensor], Tensor]:
-        """The average pooling over the same windows."""
+    def average(self) -> Callable[[Tensor], Tensor] | None:
+        """The average pooling over the same windows; None where there is none (a dilated max pooling)."""
 
 
 class AttentionView(Call, Protocol):

@@ -158,8 +158,8 @@ class OpCall:
     output_dim: int
     #: what the rule's ``prepare`` returned (a ``1 / denominator``), kept from :meth:`prepare` to :meth:`finish`
     prepared: Tensor = None  # type: ignore[assignment]
-    #: max pooling: the average pooling over the same windows
-    average: Callable[[Tensor], Tensor]
+    #: max pooling: the average pooling over the same windows (None where dilated)
+    average: Callable[[Tensor], Tensor] | None
 
     def __init__(self, kind: OpKind, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str,
                  linearised: Callable | None = None):

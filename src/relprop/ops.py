@@ -785,7 +785,7 @@ def _embedding(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> An
 
 # ---------------------------------------------------------------- max pooling
 
-def _max_pool(signature: Callable, average: Callable[[dict], Callable[[Tensor], Tensor]]) -> Handler:
+def _max_pool(signature: Callable, average: Callable[[dict], Callable[[Tensor], Tensor] | None]) -> Handler:
     """Max pooling: winner-take-all (the gradient) unless a rule asks otherwise.
 
     ``signature`` is the plain function behind ``F.max_pool2d``'s dispatch, to bind arguments by name.
@@ -799,18 +799,18 @@ def _max_pool(signature: Callable, average: Callable[[dict], Callable[[Tensor], 
 
 
 class MaxPoolCall(OpCall):
-    """Max pooling, with the average pooling over the same windows (for proportional rules)."""
+    """Max pooling, with the average pooling over the same windows (for proportional rules; None if dilated)."""
 
     def __init__(self, func: Callable, args: tuple, kwargs: dict, module_name: str,
-                 average: Callable[[Tensor], Tensor]) -> None:
+                 average: Callable[[Tensor], Tensor] | None) -> None:
         super().__init__(OpKind.MAXPOOL, func, args, kwargs, op_name(func), module_name)
         self.average = average
 
 
-def _window_average(pool: Callable) -> Callable[[dict], Callable[[Tensor], Tensor]]:
-    def make(bound: dict) -> Callable[[Tensor], Tensor]:
+def _window_average(pool: Callable) -> Callable[[dict], Callable[[Tensor], Tensor] | None]:
+    def make(bound: dict) -> Callable[[Tensor], Tensor] | None:
         if bound.get("dilation", 1) not in (1, (1,), (1, 1), (1, 1, 1)):
-            raise NotImplementedError("relprop: proportional max pooling supports dilation 1 only")
+            return None  # average pooling has no dilation: rules that need the average do not apply
         stride = bound.get("stride") or bound["kernel_size"]
         return functools.partial(pool, kernel_size=bound["kernel_size"], stride=stride, padding=bound["padding"],
                                  ceil_mode=bound["ceil_mode"], count_include_pad=True)

@@ -783,11 +783,6 @@ class Softmax(Rule[SoftmaxView]):
         return (out,)
 
 
-def _arguments(call: Call) -> dict[str, Any] | None:
-    """The op's arguments other than its activation input (:attr:`relprop.contract.Call.arguments`)."""
-    return call.arguments
-
-
 class AsFunction(Rule[C_contra]):
     """The op's relevance propagated as if it computed ``surrogate``, by the epsilon rule on the surrogate.
 
@@ -874,13 +869,13 @@ class Proportional(AsFunction[PoolView]):
         super().__init__(_no_surrogate, epsilon, kinds=("maxpool",))
 
     def accepts(self, call: PoolView) -> bool:
-        return call.kind in self.kinds and len(call.inputs) == 1
+        return call.kind in self.kinds and len(call.inputs) == 1 and call.average is not None
 
     def conserves(self, call: PoolView) -> bool:
         return True
 
     def surrogate_output(self, call: PoolView, x: Tensor) -> Tensor:
-        return call.average(x)  # the op family's average pooling over the op's own windows (relprop.ops)
+        return call.average(x)  # type: ignore[misc]  # accepts() checked there is one  # the op family's average pooling over the op's own windows (relprop.ops)
 
 
 class SmoothStride(AsFunction):
@@ -959,7 +954,7 @@ class SmoothStride(AsFunction):
             return False
         if self.rule is not None:
             return self.rule.accepts(call)  # type: ignore[arg-type]  # a conv call is parametric
-        return _arguments(call) is not None
+        return call.arguments is not None
 
     def conserves(self, call: OpCall) -> bool:
         if call.kind == "maxpool":
@@ -971,7 +966,7 @@ class SmoothStride(AsFunction):
     def surrogate_output(self, call: OpCall, x: Tensor) -> Tensor:
         window = _Window.of(call)
         if window is None or not window.strided:  # an op left as it is (any_stride): the epsilon rule on the op
-            return call.func(x, **_arguments(call))  # type: ignore[arg-type]  # accepts() checked the arguments
+            return call.func(x, **call.arguments)  # type: ignore[arg-type]  # accepts() checked the arguments
         smoothed = _SmoothedConv.of(call, window)
         return smoothed.evaluate(x, smoothed.weight, smoothed.bias)
 
@@ -1005,7 +1000,7 @@ class _Window:
     @classmethod
     def of(cls, call: OpCall) -> _Window | None:
         """The window of a ``conv1d``..``conv3d`` with numeric padding or a ``max_pool1d``..``max_pool3d``; else None."""
-        options = _arguments(call)
+        options = call.arguments
         if options is None:
             return None
         if call.kind == "conv" and call.func in _CONVOLUTIONS:
@@ -1088,7 +1083,7 @@ class _SmoothedConv:
             channels = x.shape[-dims - 1]
             weight = x.new_full((channels, 1, *window.kernel), 1.0 / math.prod(window.kernel))
             return cls(call, window, weight, None, channels, func)
-        options = _arguments(call)
+        options = call.arguments
         return cls(call, window, options["weight"], options["bias"], options.get("groups", 1), func)  # type: ignore
 
     @property
