@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 if TYPE_CHECKING:
     from .rules import Rule
 
-__all__ = ["OpKind", "OpCall", "ParametricCall", "InPlaceSumCall", "Workspace", "is_activation", "propagate", "watch", "tap",
-           "substitute", "is_relevance_node", "model_input", "routed_image"]
+__all__ = ["OpKind", "OpCall", "ParametricCall", "AddCall", "InPlaceSumCall", "Workspace", "is_activation", "propagate",
+           "watch", "tap", "substitute", "is_relevance_node", "model_input", "routed_image"]
 
 
 class OpKind(enum.StrEnum):
@@ -696,27 +696,54 @@ class ParametricCall(OpCall):
         return merged
 
 
-class InPlaceSumCall(OpCall):
+class AddCall(OpCall):
+    """``x + alpha * y`` or ``x - alpha * y`` (``add``, ``sub``): a sum whose VJP is closed-form.
+
+    The VJP hands ``g`` to ``x`` and ``alpha * g`` (``-alpha * g`` for a
+    difference) to ``y``, each summed to its input's shape where it was
+    broadcast, as autograd computes it (bitwise), so no autograd graph of the
+    sum is kept in the forward pass and none is run in the backward pass.
+    Only for two arguments of one floating dtype (or a number): autograd would
+    also cast the gradient of an input of another dtype.
+
+    Parameters
+    ----------
+    alpha : float
+        The factor of the second argument, negated for a difference.
+    """
+
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str, alpha: float):
+        super().__init__(OpKind.SUM, func, args, kwargs, name, module_name)
+        #: the factor of each activation input: 1 for the first argument, ``alpha`` for the second
+        self._factors = tuple(1 if slot == 0 else alpha for slot in self._slots)
+
+    def _needs_graph(self) -> bool:
+        return False
+
+    def vjp(self, grad: Tensor) -> tuple[Tensor, ...]:
+        grads = []
+        for factor, x in zip(self._factors, self.inputs):
+            scaled = grad if factor == 1 else grad * factor
+            grads.append(scaled if scaled.shape == x.shape else scaled.sum_to_size(x.shape))
+        return tuple(grads)
+
+
+class InPlaceSumCall(AddCall):
     """``x.add_(y, alpha=a)`` run in place, as in the plain model (a residual connection ``out += identity``).
 
     The rule reads ``before``, a copy of ``x`` taken before the op, and the
-    op's VJP is closed-form (``g`` for ``x``, ``a * g`` summed to ``y``'s
-    shape for ``y``), so no autograd graph of the sum is kept and no result is
-    copied back into ``x``. ``producer``, the call that computed ``x``, may
-    read the same copy (see :meth:`OpCall.protect`).
+    op's VJP is closed-form (:class:`AddCall`), so no autograd graph of the
+    sum is kept and no result is copied back into ``x``. ``producer``, the
+    call that computed ``x``, may read the same copy (see :meth:`OpCall.protect`).
     """
 
     def __init__(self, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str, before: Tensor,
                  alpha: float, producer: OpCall | None):
-        super().__init__(OpKind.SUM, func, args, kwargs, name, module_name)
+        super().__init__(func, args, kwargs, name, module_name, alpha)
         self.in_place = True
         self.inputs = (before, *self.inputs[1:])
         self._leaves[self._slots[0]] = before  # no alias of x left here: the output may be writable later
-        self._alpha = alpha
         self._producer = producer
-
-    def _needs_graph(self) -> bool:
-        return False
 
     def prepare(self) -> None:
         """Prepare, and let the producer of ``x`` prepare too.
@@ -731,13 +758,6 @@ class InPlaceSumCall(OpCall):
             if self._producer.output is None:
                 self.scratch = frozenset({0})
             self._producer = None
-
-    def vjp(self, grad: Tensor) -> tuple[Tensor, ...]:
-        grads = [grad]
-        if len(self.inputs) == 2:  # y is an activation too
-            other = grad if self._alpha == 1 else grad * self._alpha
-            grads.append(other if other.shape == self.inputs[1].shape else other.sum_to_size(self.inputs[1].shape))
-        return tuple(grads)
 
 
 class _Propagate(torch.autograd.Function):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .graph import InPlaceSumCall, OpCall, OpKind, ParametricCall, Workspace, is_activation, substitute, write_into
+from .graph import AddCall, InPlaceSumCall, OpCall, OpKind, ParametricCall, Workspace, is_activation, substitute, write_into
 from .quantized import QUANTIZED_HANDLERS
 from .recurrent import RECURRENT_HANDLERS
 from .rules import Gradient, Pass
@@ -535,12 +535,33 @@ def _sum(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     or summed is still a gate (``1 - sigmoid(g)`` in ConViT's gated attention,
     GhostNetV3's ``x * interpolate(sigmoid(r))``).
     """
-    call = session.record(OpKind.SUM, func, args, kwargs)
+    return _run_sum(session, session.record(OpKind.SUM, func, args, kwargs))
+
+
+def _run_sum(session: OpHost, call: OpCall) -> Any:
+    """Run a sum's ``call``; with one activation, the output keeps its tag (see :func:`_sum`)."""
     tag = session.aliases.tag(call.activations[0]) if len(call.inputs) == 1 else None
     out = session.run(call)
     if tag is not None:
         session.aliases.set_tag(out, tag)
     return out
+
+
+def _add(sign: int) -> Handler:
+    """``x + alpha * y`` (``sign`` 1) and ``x - alpha * y`` (-1): a sum with a closed-form VJP (:class:`AddCall`).
+
+    Other forms (keyword tensors, ``out=``, mixed dtypes, a complex or tensor ``alpha``) go as any sum.
+    """
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+        alpha = kwargs.get("alpha", 1)
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        if (len(args) != 2 or not kwargs.keys() <= {"alpha"} or type(alpha) not in (int, float)
+                or not all(isinstance(a, (Tensor, int, float)) for a in args)
+                or any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in tensors)
+                or not tensors[0].is_floating_point()):
+            return _sum(session, func, args, kwargs)
+        return _run_sum(session, AddCall(func, args, kwargs, op_name(func), session.module_name, sign * alpha))
+    return handle
 
 
 def _layer_norm(input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
@@ -907,7 +928,7 @@ _register(_addmm, [torch.addmm, _T.addmm])
 _register(_batch_norm, [F.batch_norm])
 
 # F.fold adds overlapping patches: a sum (its gradient would copy each pixel's relevance to every patch)
-_register(_sum, _torch_and_tensor("add sub sum mean nansum cumsum"), _lookup(torch, "rsub"),
+_register(_sum, _torch_and_tensor("sum mean nansum cumsum"), _lookup(torch, "rsub"),
           _lookup(_T, "__radd__ __rsub__"), [F.fold])
 _register(_sum, _lookup(torch, "avg_pool1d"), _lookup(_nn, "avg_pool2d avg_pool3d"),
           _lookup(F, "adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d interpolate upsample "
@@ -919,6 +940,8 @@ _register(_in_place(_T.scatter_add, _sum), _lookup(_T, "scatter_add_"))
 _register(_index_put(_run), _torch_and_tensor("index_put"))
 _register(_scatter_reduce, _torch_and_tensor("scatter_reduce"))
 _register(_index_put(_run_in_place), _lookup(_T, "index_put_"))
+_register(_add(1), _torch_and_tensor("add"))
+_register(_add(-1), _torch_and_tensor("sub"))
 _register(_in_place_sum(_T.add, 1), _lookup(_T, "add_ __iadd__"))
 _register(_in_place_sum(_T.sub, -1), _lookup(_T, "sub_ __isub__"))
 
