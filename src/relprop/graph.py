@@ -56,11 +56,14 @@ class OpKind(enum.StrEnum):
     UNKNOWN = "unknown"
 
 
+_Parameter = torch.nn.Parameter  # looked up once: `torch.nn.Parameter` costs three attribute lookups per call
+
+
 def is_activation(value: Any) -> TypeGuard[Tensor]:
     """An activation: a tensor derived from a model input. Parameters are constants."""
     # isinstance(value, Parameter) in two cheap steps (it runs for every argument of every op): the type, and
     # the flag by which Parameter's own instance check also accepts tensor subclasses
-    return (isinstance(value, Tensor) and value.requires_grad and not issubclass(type(value), torch.nn.Parameter)
+    return (isinstance(value, Tensor) and value.requires_grad and not issubclass(type(value), _Parameter)
             and not getattr(value, "_is_param", False))
 
 
@@ -121,6 +124,18 @@ def _holds_activation(value: Any) -> bool:
                 isinstance(item, _CONTAINERS) and _holds_activation(item)):
             return True
     return False
+
+
+def _positional_activations(args: tuple) -> tuple[list, list[int] | None]:
+    """``args`` as a list, and the indices of the activations among them; None if a list or tuple holds one."""
+    slots = []
+    for index, value in enumerate(args):
+        if isinstance(value, Tensor):
+            if is_activation(value):
+                slots.append(index)
+        elif isinstance(value, _CONTAINERS) and _holds_activation(value):
+            return list(args), None
+    return list(args), slots
 
 
 def _storage_count(tensor: Tensor) -> int:
@@ -199,16 +214,19 @@ class OpCall:
         #: called as ``audit(call, relevance, input_relevances)`` after each propagation, if set
         self.audit: Callable | None = None
         self._linearised = linearised or func
-        if any(isinstance(a, _CONTAINERS) and _holds_activation(a) for a in args) or _holds_activation(kwargs):
+        leaves, self._slots = _positional_activations(args)
+        if self._slots is None or (kwargs and _holds_activation(kwargs)):
             leaves, self._spec = tree_flatten((args, kwargs))
             self._constants: dict = {}
+            self._slots = [i for i, leaf in enumerate(leaves) if is_activation(leaf)]
         else:  # the common case, activations among the positional arguments only: no pytree needed
-            leaves, self._spec, self._constants = list(args), None, kwargs  # type: ignore[assignment]
-        self._slots = [i for i, leaf in enumerate(leaves) if is_activation(leaf)]
-        self._outer: tuple[Tensor, ...] | None = tuple(leaves[i] for i in self._slots)
-        self.inputs: tuple[Tensor, ...] = tuple(x.detach() for x in self._outer)
-        for slot, value in zip(self._slots, self.inputs):
-            leaves[slot] = value
+            self._spec, self._constants = None, kwargs
+        self._outer: tuple[Tensor, ...] | None = tuple([leaves[i] for i in self._slots])
+        inputs = []
+        for slot, x in zip(self._slots, self._outer):
+            leaves[slot] = value = x.detach()
+            inputs.append(value)
+        self.inputs: tuple[Tensor, ...] = tuple(inputs)
         self._leaves = leaves
         #: the inputs' version counters once the op has run (see :meth:`check_inputs`)
         self.versions: tuple[int, ...] = ()
@@ -801,7 +819,7 @@ def propagate(call: OpCall, rule: Rule, audit: Callable | None = None) -> Tensor
     call.rule = rule
     call.audit = audit
     out = _Propagate.apply(call, *call.activations)
-    call.versions = tuple(x._version for x in call.inputs)
+    call.versions = tuple([x._version for x in call.inputs])
     call.output = out.detach()
     call.output_dim = out.dim()
     call.release()
