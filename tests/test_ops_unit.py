@@ -117,3 +117,35 @@ def test_sums_of_mixed_dtypes_keep_autograd_for_their_vjp():
         same = session.aliases.producer(a + 1)
     assert type(mixed) is OpCall and mixed._graph is not None
     assert type(same) is AddCall and same._graph is None
+
+
+@pytest.mark.parametrize("func, names", [
+    (torch.mul, ("a", "b")), (torch.Tensor.mul, ("a", "row")), (torch.multiply, ("c", "a")), (torch.mul, ("a", "a")),
+    (torch.Tensor.mul, ("a", 0.3)),
+])
+def test_an_elementwise_product_has_the_closed_form_vjp_of_autograd_bitwise(func, names):
+    torch.manual_seed(0)
+    tensors = {"a": _activation(2, 3).double(), "b": _activation(2, 3).double(), "row": _activation(3).double(),
+               "c": torch.randn(2, 3, dtype=torch.float64)}
+    values = tuple(tensors.get(name, name) for name in names)
+    call = ops.ProductCall(func, values, {}, "", False, False, lambda t: None)
+    assert not call._needs_graph()
+    grad = torch.randn(2, 3, dtype=torch.float64)
+    # as the graph kept from the forward pass had it: one leaf per activation argument (``a * a`` has two)
+    leaves = tuple(v.detach().requires_grad_() if isinstance(v, torch.Tensor) and v.requires_grad else v
+                   for v in values)
+    activations = [v for v in leaves if isinstance(v, torch.Tensor) and v.requires_grad]
+    expected = torch.autograd.grad(func(*leaves), activations, grad)
+    found = call.vjp(grad)
+    assert len(found) == len(expected)
+    for x, e, f in zip(activations, expected, found):
+        assert f.shape == x.shape and torch.equal(e, f)
+
+
+def test_products_of_other_forms_keep_autograd_for_their_vjp():
+    a, b = _activation(2, 3), _activation(2, 3)
+    for call in (ops.ProductCall(torch.mul, (a, b.double()), {}, "", False, False, lambda t: None),
+                 ops.ProductCall(torch.div, (a, b), {}, "", False, True, lambda t: None),
+                 ops.ProductCall(torch.matmul, (a, b.T), {}, "", True, False, lambda t: None)):
+        call.rule = relprop.rules.Epsilon()
+        assert call._needs_graph()

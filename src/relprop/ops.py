@@ -547,6 +547,19 @@ def _run_sum(session: OpHost, call: OpCall) -> Any:
     return out
 
 
+def _plain_binary(args: tuple) -> bool:
+    """Whether ``args`` are two tensors of one floating dtype and device, or such a tensor and a real number.
+
+    For those, autograd's VJP of a sum or product is the closed form, bitwise: it casts no gradient to
+    another dtype or device.
+    """
+    if len(args) != 2 or not all(isinstance(a, Tensor) or type(a) in (int, float) for a in args):
+        return False
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    return (bool(tensors) and tensors[0].is_floating_point()
+            and all(t.dtype == tensors[0].dtype and t.device == tensors[0].device for t in tensors))
+
+
 def _add(sign: int) -> Handler:
     """``x + alpha * y`` (``sign`` 1) and ``x - alpha * y`` (-1): a sum with a closed-form VJP (:class:`AddCall`).
 
@@ -554,11 +567,7 @@ def _add(sign: int) -> Handler:
     """
     def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
         alpha = kwargs.get("alpha", 1)
-        tensors = [a for a in args if isinstance(a, Tensor)]
-        if (len(args) != 2 or not kwargs.keys() <= {"alpha"} or type(alpha) not in (int, float)
-                or not all(isinstance(a, (Tensor, int, float)) for a in args)
-                or any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in tensors)
-                or not tensors[0].is_floating_point()):
+        if not (_plain_binary(args) and kwargs.keys() <= {"alpha"} and type(alpha) in (int, float)):
             return _sum(session, func, args, kwargs)
         return _run_sum(session, AddCall(func, args, kwargs, op_name(func), session.module_name, sign * alpha))
     return handle
@@ -669,6 +678,28 @@ class ProductCall(OpCall):
             self.factors = tuple(tag_of(a) for a in self.activations)
             if len(self.inputs) == 1 and not _gates_a_constant(self.factors[0], args):
                 self.scaled, self.factors = self.factors[0], (None,)  # relevance passes
+        #: an elementwise product of two arguments (:func:`_plain_binary`): its VJP is closed-form
+        self._elementwise = func in _MULTIPLY and not kwargs and self._spec is None and _plain_binary(args)
+
+    def _needs_graph(self) -> bool:
+        return not self._elementwise and super()._needs_graph()
+
+    def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """For ``a * b``: ``grad * b`` for ``a`` and ``grad * a`` for ``b``, each summed to its input's shape.
+
+        As autograd computes it (bitwise), without a graph kept from the forward pass.
+        """
+        if not self._elementwise:
+            return super().vjp(grad)
+        grads = []
+        for slot, x in zip(self._slots, self.inputs):
+            product = grad * self._leaves[1 - slot]  # the other factor: an input (or a copy of it) or a constant
+            grads.append(product if product.shape == x.shape else product.sum_to_size(x.shape))
+        return tuple(grads)
+
+
+#: elementwise products whose VJP :class:`ProductCall` computes in closed form
+_MULTIPLY = frozenset({torch.mul, Tensor.mul, torch.multiply, Tensor.multiply})
 
 
 #: gates whose product with a constant tensor gives the relevance to that constant (GRU's ``r * b_hn`` at the
