@@ -87,6 +87,13 @@ Handler = Callable[[OpHost, Callable, tuple, dict], Any]
 
 def op_name(func: Callable) -> str:
     """A readable name for a torch function: ``torch.nn.functional.linear``, ``torch.conv2d``, ``Tensor.add``."""
+    try:
+        return _cached_name(func)
+    except TypeError:  # an unhashable callable: named each time
+        return _name(func)
+
+
+def _name(func: Callable) -> str:
     name = getattr(func, "__name__", None) or repr(func)
     if getattr(F, name, None) is func:
         return f"torch.nn.functional.{name}"
@@ -95,6 +102,10 @@ def op_name(func: Callable) -> str:
     if getattr(func, "__objclass__", None) is not None or "TensorBase" in getattr(func, "__qualname__", ""):
         return f"Tensor.{name}"
     return f"{getattr(func, '__module__', None) or 'torch'}.{name}"
+
+
+#: every op call is named: the same few functions, many times
+_cached_name = functools.lru_cache(maxsize=4096)(_name)
 
 
 def has_activation(args: tuple, kwargs: dict) -> bool:
