@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 if TYPE_CHECKING:
     from .rules import Rule
@@ -214,16 +214,18 @@ class OpCall:
         #: called as ``audit(call, relevance, input_relevances)`` after each propagation, if set
         self.audit: Callable | None = None
         self._linearised = linearised or func
-        leaves, self._slots = _positional_activations(args)
-        if self._slots is None or (kwargs and _holds_activation(kwargs)):
+        leaves, slots = _positional_activations(args)
+        self._spec: TreeSpec | None = None
+        self._constants: dict = kwargs
+        if slots is None or (kwargs and _holds_activation(kwargs)):
             leaves, self._spec = tree_flatten((args, kwargs))
-            self._constants: dict = {}
-            self._slots = [i for i, leaf in enumerate(leaves) if is_activation(leaf)]
-        else:  # the common case, activations among the positional arguments only: no pytree needed
-            self._spec, self._constants = None, kwargs
-        self._outer: tuple[Tensor, ...] | None = tuple([leaves[i] for i in self._slots])
+            self._constants = {}
+            slots = [i for i, leaf in enumerate(leaves) if is_activation(leaf)]
+        # else the common case, activations among the positional arguments only: no pytree needed
+        self._slots = slots
+        self._outer: tuple[Tensor, ...] | None = tuple([leaves[i] for i in slots])
         inputs = []
-        for slot, x in zip(self._slots, self._outer):
+        for slot, x in zip(slots, self._outer):
             leaves[slot] = value = x.detach()
             inputs.append(value)
         self.inputs: tuple[Tensor, ...] = tuple(inputs)

@@ -90,10 +90,10 @@ def op_name(func: Callable) -> str:
     try:
         return _cached_name(func)
     except TypeError:  # an unhashable callable: named each time
-        return _name(func)
+        return _function_name(func)
 
 
-def _name(func: Callable) -> str:
+def _function_name(func: Callable) -> str:
     name = getattr(func, "__name__", None) or repr(func)
     if getattr(F, name, None) is func:
         return f"torch.nn.functional.{name}"
@@ -105,7 +105,7 @@ def _name(func: Callable) -> str:
 
 
 #: every op call is named: the same few functions, many times
-_cached_name = functools.lru_cache(maxsize=4096)(_name)
+_cached_name = functools.lru_cache(maxsize=4096)(_function_name)
 
 
 def has_activation(args: tuple, kwargs: dict) -> bool:
