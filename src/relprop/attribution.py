@@ -375,11 +375,10 @@ def cyclic_gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused inside the block, and enabled again after it if it was before.
 
     An attribution allocates several Python objects per op (op calls, autograd nodes, tensors) that live until
-    its backward pass ends. Collections in the middle of it move them into the older generations, and every
-    20 or so attributions that sets off a full collection of every object of the process (about 145 ms with
-    torchvision and transformers loaded, against about 50 ms for an attribution of 600 small ops). An
-    attribution makes no reference cycles (its objects are freed by reference counting when it ends), so
-    pausing the collector leaves nothing behind.
+    its backward pass ends. Collections in the middle of it move them into the older generations, and now and
+    then that sets off a full collection of every object of the process, which with torchvision and
+    transformers loaded costs several times a small attribution. An attribution makes no reference cycles (its
+    objects are freed by reference counting when it ends), so pausing the collector leaves nothing behind.
     """
     enabled = gc.isenabled()
     gc.disable()
