@@ -120,7 +120,7 @@ def test_sums_of_mixed_dtypes_keep_autograd_for_their_vjp():
 
 
 @pytest.mark.parametrize("func, names", [
-    (torch.mul, ("a", "b")), (torch.Tensor.mul, ("a", "row")), (torch.multiply, ("c", "a")), (torch.mul, ("a", "a")),
+    (torch.mul, ("a", "b")), (torch.Tensor.mul, ("a", "row")), (torch.multiply, ("row", "a")), (torch.mul, ("a", "a")),
     (torch.Tensor.mul, ("a", 0.3)),
 ])
 def test_an_elementwise_product_has_the_closed_form_vjp_of_autograd_bitwise(func, names):
@@ -143,8 +143,11 @@ def test_an_elementwise_product_has_the_closed_form_vjp_of_autograd_bitwise(func
 
 
 def test_products_of_other_forms_keep_autograd_for_their_vjp():
+    # mixed dtypes, a constant tensor (autograd notices if it is modified in place before the backward pass),
+    # divisions, matrix products
     a, b = _activation(2, 3), _activation(2, 3)
     for call in (ops.ProductCall(torch.mul, (a, b.double()), {}, "", False, False, lambda t: None),
+                 ops.ProductCall(torch.mul, (a, torch.randn(2, 3)), {}, "", False, False, lambda t: None),
                  ops.ProductCall(torch.div, (a, b), {}, "", False, True, lambda t: None),
                  ops.ProductCall(torch.matmul, (a, b.T), {}, "", True, False, lambda t: None)):
         call.rule = relprop.rules.Epsilon()

@@ -689,8 +689,11 @@ class ProductCall(OpCall):
             self.factors = tuple(tag_of(a) for a in self.activations)
             if len(self.inputs) == 1 and not _gates_a_constant(self.factors[0], args):
                 self.scaled, self.factors = self.factors[0], (None,)  # relevance passes
-        #: an elementwise product of two arguments (:func:`_plain_binary`): its VJP is closed-form
-        self._elementwise = func in _MULTIPLY and not kwargs and self._spec is None and _plain_binary(args)
+        #: an elementwise product of two activations, or of one and a number (:func:`_plain_binary`): its VJP is
+        #: closed-form. Not with a constant tensor: the engine does not follow constants, and one modified in place
+        #: before the backward pass would go unnoticed (autograd's saved tensor raises then)
+        self._elementwise = (func in _MULTIPLY and not kwargs and self._spec is None and _plain_binary(args)
+                             and len(self._slots) == sum(isinstance(a, Tensor) for a in args))
 
     def _needs_graph(self) -> bool:
         return not self._elementwise and super()._needs_graph()
@@ -704,7 +707,7 @@ class ProductCall(OpCall):
             return super().vjp(grad)
         grads = []
         for slot, x in zip(self._slots, self.inputs):
-            product = grad * self._leaves[1 - slot]  # the other factor: an input (or a copy of it) or a constant
+            product = grad * self._leaves[1 - slot]  # the other factor: an input (or a copy of it) or a number
             grads.append(product if product.shape == x.shape else product.sum_to_size(x.shape))
         return tuple(grads)
 
