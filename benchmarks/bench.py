@@ -11,7 +11,7 @@ the kernel faults in page by page. On CUDA (``--device cuda``, the default
 where a GPU is present) every timed run ends with a synchronisation, and peak
 memory is the CUDA allocator's peak above the memory allocated before the run.
 ``--dtype bfloat16`` runs models and inputs in that dtype. ``--per-op`` reports
-relprop's fixed cost per intercepted op, ``--targets`` the cases of the speed
+relprop's fixed cost per intercepted op, ``--profile`` where it goes, ``--targets`` the cases of the speed
 targets, and ``--with lxt`` times LXT's AttnLRP in its own process (see
 ``lxt_child.py``). ``python benchmarks/bench.py --help`` lists the options.
 """
@@ -411,6 +411,59 @@ def print_per_op(rounds: int, device: str, dtype: torch.dtype) -> None:
           f"{ratio(times['relprop epsilon'], times['gradient'])} | {extra / ops * 1e6:.1f} |", flush=True)
 
 
+def profile_parts(runs: int, device: str, dtype: torch.dtype, preset: str = "epsilon",
+                  blocks: int = 200) -> tuple[float, dict[str, float]]:
+    """Profiled seconds of ``runs`` attributions of :class:`TinyOps`, and the share of that time in (and below)
+    each part of relprop's work per op (:data:`PARTS`; the shares overlap)."""
+    import cProfile
+    import pstats
+
+    torch.manual_seed(0)
+    model = TinyOps(blocks).eval().to(device, dtype)
+    x = torch.randn(1, 8, device=device, dtype=dtype)
+    lrp = relprop.LRP(model, preset)
+    lrp.attribute(x, target=[0])
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [lrp.attribute(x, target=[0]) for _ in range(runs)])
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # (file, line, name) -> (.., cumulative, ..)
+    total = max(entry[3] for entry in stats.values())
+    shares = {}
+    for part, function in PARTS.items():
+        code = function.__code__
+        entry = stats.get((code.co_filename, code.co_firstlineno, code.co_name))
+        shares[part] = entry[3] / total if entry else 0.0
+    return total, shares
+
+
+def _parts() -> dict[str, Callable]:
+    from relprop import engine, graph, rules, tracking
+
+    return {"interception, forward pass (`Session.__torch_function__`)": engine.Session.__torch_function__,
+            "op records (`OpCall.__init__`)": graph.OpCall.__init__,
+            "autograd node and forward value (`graph.propagate`)": graph.propagate,
+            "alias bookkeeping (`AliasTracker.recorded`)": tracking.AliasTracker.recorded,
+            "rule choice (`Session.rule_for`)": engine.Session.rule_for,
+            "backward node (`_Propagate.backward`)": graph._Propagate.backward,
+            "conservation guard (`Session._observe`)": engine.Session._observe,
+            "`rules.inverse_denominator`": rules.inverse_denominator,
+            "module hooks put on and taken off (`Session.active`)": engine.Session.active.__wrapped__,
+            "module hooks, forward start (`Session._enter_module`)": engine.Session._enter_module,
+            "module hooks, forward end (`Session._exit_module`)": engine.Session._exit_module}
+
+
+#: the parts of relprop's work per op that ``--profile`` reports, each by the function that does it
+PARTS = _parts()
+
+
+def print_profile(runs: int, device: str, dtype: torch.dtype) -> None:
+    total, shares = profile_parts(runs, device, dtype)
+    print(f"\n## Where the fixed cost goes: cProfile of {runs} Epsilon attributions of the per-op model "
+          f"({total:.2f} s profiled)\n")
+    print("| part | share of the profiled time |\n| --- | --- |")
+    for part, share in shares.items():
+        print(f"| {part} | {share:.0%} |", flush=True)
+
+
 def print_targets(rounds: int, device: str, dtype: torch.dtype) -> None:
     print("\n## The speed targets\n\n| case | reference (ms) | relprop (ms) | ratio | target |\n| --- | --- | --- | --- "
           "| --- |")
@@ -452,6 +505,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="of the models and their inputs")
     parser.add_argument("--per-op", action="store_true",
                         help="also relprop's fixed cost per intercepted op, on many tiny ops")
+    parser.add_argument("--profile", action="store_true",
+                        help="also where the fixed cost per op goes: cProfile shares of parts of relprop's work")
     parser.add_argument("--targets", action="store_true",
                         help="also the speed targets: ResNet18 64 px batch 2 EpsilonPlusFlat, small Llamas AttnLRP")
     parser.add_argument("--lxt-python", default=sys.executable,
@@ -489,6 +544,8 @@ def main() -> None:
           f"{', heap trimmed before each timed run' if args.trim else ''}", flush=True)
     if args.per_op:
         print_per_op(args.rounds, args.device, dtype)
+    if args.profile:
+        print_profile(20, args.device, dtype)
     if args.targets:
         print_targets(args.rounds, args.device, dtype)
     if "lxt" in which:

@@ -3,9 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import relprop
 from relprop import ops
 from relprop.contract import OpKind
-from relprop.graph import OpCall
+from relprop.graph import AddCall, OpCall
 
 
 def test_registering_a_name_this_torch_lacks_raises_and_names_it():
@@ -84,3 +85,71 @@ def test_fields_of_other_kinds_have_declared_defaults():
     call = OpCall(OpKind.ELEMENTWISE, torch.tanh, (_activation(3),), {}, "torch.tanh", "")
     assert (call.is_first, call.factors, call.matrix, call.in_place, call.overwrites, call.prepared) == (
         False, (), False, False, None, None)
+
+
+@pytest.mark.parametrize("func, names, kwargs, factors", [
+    (torch.add, ("a", "b"), {}, (1, 1)),
+    (torch.Tensor.add, ("a", "row"), {}, (1, 1)),  # the second input broadcast: its gradient summed to its shape
+    (torch.sub, ("row", "a"), {"alpha": 0.3}, (1, -0.3)),
+    (torch.Tensor.sub, ("c", "a"), {}, (-1,)),  # a constant first: one activation, negated
+    (torch.add, ("a", 2.5), {"alpha": 3}, (1,)),
+])
+def test_a_sum_has_the_closed_form_vjp_of_autograd_bitwise(func, names, kwargs, factors):
+    torch.manual_seed(0)
+    tensors = {"a": _activation(2, 3).double(), "b": _activation(2, 3).double(), "row": _activation(3).double(),
+               "c": torch.randn(2, 3, dtype=torch.float64)}
+    values = tuple(tensors.get(name, name) for name in names)
+    sign = -1 if func in (torch.sub, torch.Tensor.sub) else 1
+    call = AddCall(func, values, kwargs, "add", "", sign * kwargs.get("alpha", 1))
+    assert call._factors == factors and not call._needs_graph()
+    grad = torch.randn(2, 3, dtype=torch.float64)
+    activations = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+    expected = torch.autograd.grad(func(*values, **kwargs), activations, grad)
+    found = call.vjp(grad)
+    assert len(found) == len(expected)
+    for x, e, f in zip(activations, expected, found):
+        assert f.shape == x.shape and torch.equal(e, f)
+
+
+def test_sums_of_mixed_dtypes_keep_autograd_for_their_vjp():
+    a = _activation(2, 3)
+    with relprop.LRP(torch.nn.Identity().eval()).context() as session:
+        mixed = session.aliases.producer(a + a.double())
+        same = session.aliases.producer(a + 1)
+    assert type(mixed) is OpCall and mixed._graph is not None
+    assert type(same) is AddCall and same._graph is None
+
+
+@pytest.mark.parametrize("func, names", [
+    (torch.mul, ("a", "b")), (torch.Tensor.mul, ("a", "row")), (torch.multiply, ("row", "a")), (torch.mul, ("a", "a")),
+    (torch.Tensor.mul, ("a", 0.3)),
+])
+def test_an_elementwise_product_has_the_closed_form_vjp_of_autograd_bitwise(func, names):
+    torch.manual_seed(0)
+    tensors = {"a": _activation(2, 3).double(), "b": _activation(2, 3).double(), "row": _activation(3).double(),
+               "c": torch.randn(2, 3, dtype=torch.float64)}
+    values = tuple(tensors.get(name, name) for name in names)
+    call = ops.ProductCall(func, values, {}, "", False, False, lambda t: None)
+    assert not call._needs_graph()
+    grad = torch.randn(2, 3, dtype=torch.float64)
+    # as the graph kept from the forward pass had it: one leaf per activation argument (``a * a`` has two)
+    leaves = tuple(v.detach().requires_grad_() if isinstance(v, torch.Tensor) and v.requires_grad else v
+                   for v in values)
+    activations = [v for v in leaves if isinstance(v, torch.Tensor) and v.requires_grad]
+    expected = torch.autograd.grad(func(*leaves), activations, grad)
+    found = call.vjp(grad)
+    assert len(found) == len(expected)
+    for x, e, f in zip(activations, expected, found):
+        assert f.shape == x.shape and torch.equal(e, f)
+
+
+def test_products_of_other_forms_keep_autograd_for_their_vjp():
+    # mixed dtypes, a constant tensor (autograd notices if it is modified in place before the backward pass),
+    # divisions, matrix products
+    a, b = _activation(2, 3), _activation(2, 3)
+    for call in (ops.ProductCall(torch.mul, (a, b.double()), {}, "", False, False, lambda t: None),
+                 ops.ProductCall(torch.mul, (a, torch.randn(2, 3)), {}, "", False, False, lambda t: None),
+                 ops.ProductCall(torch.div, (a, b), {}, "", False, True, lambda t: None),
+                 ops.ProductCall(torch.matmul, (a, b.T), {}, "", True, False, lambda t: None)):
+        call.rule = relprop.rules.Epsilon()
+        assert call._needs_graph()

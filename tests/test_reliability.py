@@ -103,6 +103,27 @@ def test_long_runs_keep_memory_flat_and_keep_nothing():
     assert _resident_mib() - before < 20
 
 
+@pytest.mark.parametrize("preset", ["epsilon-plus-flat", "attnlrp"])
+def test_an_attribution_makes_no_reference_cycles_and_restores_the_collector(preset):
+    model, x = net(), torch.randn(2, 3, 16, 16)
+    lrp = relprop.LRP(model, preset)
+    lrp.attribute(x, target=1)
+    gc.collect()
+    enabled = gc.isenabled()
+    try:
+        gc.disable()  # the collector paused by the user stays paused
+        lrp.attribute(x, target=1)
+        assert not gc.isenabled()
+        assert gc.collect() == 0  # the collector, paused during attributions, has nothing to free after them
+        gc.enable()
+        with pytest.raises(TypeError, match="positional arguments"):
+            lrp.attribute(x, target=1, additional_forward_args=(1, 2, 3))  # the model raises: too many arguments
+        assert gc.isenabled()
+    finally:
+        if not enabled:
+            gc.disable()
+
+
 @pytest.mark.parametrize("preset", ["epsilon", "epsilon-plus", "epsilon-alpha2-beta1", "epsilon-gamma-box"])
 def test_activations_are_freed_as_the_relevance_passes(preset):
     # as autograd frees saved tensors: once the relevance reaches the first layer, no later layer's input lives

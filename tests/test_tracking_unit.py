@@ -80,3 +80,29 @@ def test_the_tracker_keeps_no_tensor_alive():
     gone = weakref.ref(out)
     del out
     assert gone() is None
+
+
+class _Overwrites(nn.Module):
+    """``a * b`` and ``a + b``, then ``b`` scaled in place (or, ``copy=True``, a scaled copy of it)."""
+
+    def __init__(self, copy):
+        super().__init__()
+        self.copy = copy
+        self.first, self.second = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+
+    def forward(self, x):
+        a, b = self.first(x), self.second(x)
+        out = a * b + (a + b)
+        b = b * 3 if self.copy else b.mul_(3)
+        return out + b
+
+
+def test_closed_form_vjps_read_the_factors_as_they_were_before_an_in_place_write():
+    import relprop
+
+    torch.manual_seed(0)
+    in_place, copied = _Overwrites(copy=False).eval(), _Overwrites(copy=True).eval()
+    copied.load_state_dict(in_place.state_dict())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    expected = relprop.LRP(copied, "attnlrp").attribute(x, target=1)
+    assert torch.equal(relprop.LRP(in_place, "attnlrp").attribute(x, target=1), expected)

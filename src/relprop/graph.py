@@ -17,22 +17,25 @@ from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .contract import OpKind
 
 if TYPE_CHECKING:
     from .rules import Rule
 
-__all__ = ["OpKind", "OpCall", "ParametricCall", "InPlaceSumCall", "Workspace", "is_activation", "propagate", "watch", "tap",
-           "substitute", "is_relevance_node", "model_input", "routed_image"]
+__all__ = ["OpKind", "OpCall", "ParametricCall", "AddCall", "InPlaceSumCall", "Workspace", "is_activation", "propagate",
+           "watch", "tap", "substitute", "is_relevance_node", "model_input", "routed_image"]
+
+
+_Parameter = torch.nn.Parameter  # looked up once: `torch.nn.Parameter` costs three attribute lookups per call
 
 
 def is_activation(value: Any) -> TypeGuard[Tensor]:
     """An activation: a tensor derived from a model input. Parameters are constants."""
     # isinstance(value, Parameter) in two cheap steps (it runs for every argument of every op): the type, and
     # the flag by which Parameter's own instance check also accepts tensor subclasses
-    return (isinstance(value, Tensor) and value.requires_grad and not issubclass(type(value), torch.nn.Parameter)
+    return (isinstance(value, Tensor) and value.requires_grad and not issubclass(type(value), _Parameter)
             and not getattr(value, "_is_param", False))
 
 
@@ -93,6 +96,18 @@ def _holds_activation(value: Any) -> bool:
                 isinstance(item, _CONTAINERS) and _holds_activation(item)):
             return True
     return False
+
+
+def _positional_activations(args: tuple) -> tuple[list, list[int] | None]:
+    """``args`` as a list, and the indices of the activations among them; None if a list or tuple holds one."""
+    slots = []
+    for index, value in enumerate(args):
+        if isinstance(value, Tensor):
+            if is_activation(value):
+                slots.append(index)
+        elif isinstance(value, _CONTAINERS) and _holds_activation(value):
+            return list(args), None
+    return list(args), slots
 
 
 def _storage_count(tensor: Tensor) -> int:
@@ -175,16 +190,21 @@ class OpCall:
         #: called as ``audit(call, relevance, input_relevances)`` after each propagation, if set
         self.audit: Callable | None = None
         self._linearised = linearised or func
-        if any(isinstance(a, _CONTAINERS) and _holds_activation(a) for a in args) or _holds_activation(kwargs):
+        leaves, slots = _positional_activations(args)
+        self._spec: TreeSpec | None = None
+        self._constants: dict = kwargs
+        if slots is None or (kwargs and _holds_activation(kwargs)):
             leaves, self._spec = tree_flatten((args, kwargs))
-            self._constants: dict = {}
-        else:  # the common case, activations among the positional arguments only: no pytree needed
-            leaves, self._spec, self._constants = list(args), None, kwargs  # type: ignore[assignment]
-        self._slots = [i for i, leaf in enumerate(leaves) if is_activation(leaf)]
-        self._outer: tuple[Tensor, ...] | None = tuple(leaves[i] for i in self._slots)
-        self.inputs: tuple[Tensor, ...] = tuple(x.detach() for x in self._outer)
-        for slot, value in zip(self._slots, self.inputs):
-            leaves[slot] = value
+            self._constants = {}
+            slots = [i for i, leaf in enumerate(leaves) if is_activation(leaf)]
+        # else the common case, activations among the positional arguments only: no pytree needed
+        self._slots = slots
+        self._outer: tuple[Tensor, ...] | None = tuple([leaves[i] for i in slots])
+        inputs = []
+        for slot, x in zip(slots, self._outer):
+            leaves[slot] = value = x.detach()
+            inputs.append(value)
+        self.inputs: tuple[Tensor, ...] = tuple(inputs)
         self._leaves = leaves
         #: the inputs' version counters once the op has run (see :meth:`check_inputs`)
         self.versions: tuple[int, ...] = ()
@@ -718,27 +738,54 @@ class ParametricCall(OpCall):
         return merged
 
 
-class InPlaceSumCall(OpCall):
+class AddCall(OpCall):
+    """``x + alpha * y`` or ``x - alpha * y`` (``add``, ``sub``): a sum whose VJP is closed-form.
+
+    The VJP hands ``g`` to ``x`` and ``alpha * g`` (``-alpha * g`` for a
+    difference) to ``y``, each summed to its input's shape where it was
+    broadcast, as autograd computes it (bitwise), so no autograd graph of the
+    sum is kept in the forward pass and none is run in the backward pass.
+    Only for two arguments of one floating dtype (or a number): autograd would
+    also cast the gradient of an input of another dtype.
+
+    Parameters
+    ----------
+    alpha : float
+        The factor of the second argument, negated for a difference.
+    """
+
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str, alpha: float):
+        super().__init__(OpKind.SUM, func, args, kwargs, name, module_name)
+        #: the factor of each activation input: 1 for the first argument, ``alpha`` for the second
+        self._factors = tuple(1 if slot == 0 else alpha for slot in self._slots)
+
+    def _needs_graph(self) -> bool:
+        return False
+
+    def vjp(self, grad: Tensor) -> tuple[Tensor, ...]:
+        grads = []
+        for factor, x in zip(self._factors, self.inputs):
+            scaled = grad if factor == 1 else grad * factor
+            grads.append(scaled if scaled.shape == x.shape else scaled.sum_to_size(x.shape))
+        return tuple(grads)
+
+
+class InPlaceSumCall(AddCall):
     """``x.add_(y, alpha=a)`` run in place, as in the plain model (a residual connection ``out += identity``).
 
     The rule reads ``before``, a copy of ``x`` taken before the op, and the
-    op's VJP is closed-form (``g`` for ``x``, ``a * g`` summed to ``y``'s
-    shape for ``y``), so no autograd graph of the sum is kept and no result is
-    copied back into ``x``. ``producer``, the call that computed ``x``, may
-    read the same copy (see :meth:`OpCall.protect`).
+    op's VJP is closed-form (:class:`AddCall`), so no autograd graph of the
+    sum is kept and no result is copied back into ``x``. ``producer``, the
+    call that computed ``x``, may read the same copy (see :meth:`OpCall.protect`).
     """
 
     def __init__(self, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str, before: Tensor,
                  alpha: float, producer: OpCall | None):
-        super().__init__(OpKind.SUM, func, args, kwargs, name, module_name)
+        super().__init__(func, args, kwargs, name, module_name, alpha)
         self.in_place = True
         self.inputs = (before, *self.inputs[1:])
         self._leaves[self._slots[0]] = before  # no alias of x left here: the output may be writable later
-        self._alpha = alpha
         self._producer = producer
-
-    def _needs_graph(self) -> bool:
-        return False
 
     def prepare(self) -> None:
         """Prepare, and let the producer of ``x`` prepare too.
@@ -753,13 +800,6 @@ class InPlaceSumCall(OpCall):
             if self._producer.output is None:
                 self.scratch = frozenset({0})
             self._producer = None
-
-    def vjp(self, grad: Tensor) -> tuple[Tensor, ...]:
-        grads = [grad]
-        if len(self.inputs) == 2:  # y is an activation too
-            other = grad if self._alpha == 1 else grad * self._alpha
-            grads.append(other if other.shape == self.inputs[1].shape else other.sum_to_size(self.inputs[1].shape))
-        return tuple(grads)
 
 
 class _Propagate(torch.autograd.Function):
@@ -803,7 +843,7 @@ def propagate(call: OpCall, rule: Rule, audit: Callable | None = None) -> Tensor
     call.rule = rule
     call.audit = audit
     out = _Propagate.apply(call, *call.activations)
-    call.versions = tuple(x._version for x in call.inputs)
+    call.versions = tuple([x._version for x in call.inputs])
     call.output = out.detach()
     call.output_dim = out.dim()
     call.release()

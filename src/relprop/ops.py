@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .graph import InPlaceSumCall, OpCall, OpKind, ParametricCall, Workspace, is_activation, substitute, write_into
+from .graph import AddCall, InPlaceSumCall, OpCall, OpKind, ParametricCall, Workspace, is_activation, substitute, write_into
 from .quantized import QUANTIZED_HANDLERS
 from .recurrent import RECURRENT_HANDLERS
 from .rules import Gradient, Pass
@@ -87,6 +87,13 @@ Handler = Callable[[OpHost, Callable, tuple, dict], Any]
 
 def op_name(func: Callable) -> str:
     """A readable name for a torch function: ``torch.nn.functional.linear``, ``torch.conv2d``, ``Tensor.add``."""
+    try:
+        return _cached_name(func)
+    except TypeError:  # an unhashable callable: named each time
+        return _function_name(func)
+
+
+def _function_name(func: Callable) -> str:
     name = getattr(func, "__name__", None) or repr(func)
     if getattr(F, name, None) is func:
         return f"torch.nn.functional.{name}"
@@ -95,6 +102,10 @@ def op_name(func: Callable) -> str:
     if getattr(func, "__objclass__", None) is not None or "TensorBase" in getattr(func, "__qualname__", ""):
         return f"Tensor.{name}"
     return f"{getattr(func, '__module__', None) or 'torch'}.{name}"
+
+
+#: every op call is named: the same few functions, many times
+_cached_name = functools.lru_cache(maxsize=4096)(_function_name)
 
 
 def has_activation(args: tuple, kwargs: dict) -> bool:
@@ -535,12 +546,42 @@ def _sum(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     or summed is still a gate (``1 - sigmoid(g)`` in ConViT's gated attention,
     GhostNetV3's ``x * interpolate(sigmoid(r))``).
     """
-    call = session.record(OpKind.SUM, func, args, kwargs)
+    return _run_sum(session, session.record(OpKind.SUM, func, args, kwargs))
+
+
+def _run_sum(session: OpHost, call: OpCall) -> Any:
+    """Run a sum's ``call``; with one activation, the output keeps its tag (see :func:`_sum`)."""
     tag = session.aliases.tag(call.activations[0]) if len(call.inputs) == 1 else None
     out = session.run(call)
     if tag is not None:
         session.aliases.set_tag(out, tag)
     return out
+
+
+def _plain_binary(args: tuple) -> bool:
+    """Whether ``args`` are two tensors of one floating dtype and device, or such a tensor and a real number.
+
+    For those, autograd's VJP of a sum or product is the closed form, bitwise: it casts no gradient to
+    another dtype or device.
+    """
+    if len(args) != 2 or not all(isinstance(a, Tensor) or type(a) in (int, float) for a in args):
+        return False
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    return (bool(tensors) and tensors[0].is_floating_point()
+            and all(t.dtype == tensors[0].dtype and t.device == tensors[0].device for t in tensors))
+
+
+def _add(sign: int) -> Handler:
+    """``x + alpha * y`` (``sign`` 1) and ``x - alpha * y`` (-1): a sum with a closed-form VJP (:class:`AddCall`).
+
+    Other forms (keyword tensors, ``out=``, mixed dtypes, a complex or tensor ``alpha``) go as any sum.
+    """
+    def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+        alpha = kwargs.get("alpha", 1)
+        if not (_plain_binary(args) and kwargs.keys() <= {"alpha"} and type(alpha) in (int, float)):
+            return _sum(session, func, args, kwargs)
+        return _run_sum(session, AddCall(func, args, kwargs, op_name(func), session.module_name, sign * alpha))
+    return handle
 
 
 def _layer_norm(input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
@@ -648,6 +689,31 @@ class ProductCall(OpCall):
             self.factors = tuple(tag_of(a) for a in self.activations)
             if len(self.inputs) == 1 and not _gates_a_constant(self.factors[0], args):
                 self.scaled, self.factors = self.factors[0], (None,)  # relevance passes
+        #: an elementwise product of two activations, or of one and a number (:func:`_plain_binary`): its VJP is
+        #: closed-form. Not with a constant tensor: the engine does not follow constants, and one modified in place
+        #: before the backward pass would go unnoticed (autograd's saved tensor raises then)
+        self._elementwise = (func in _MULTIPLY and not kwargs and self._spec is None and _plain_binary(args)
+                             and len(self._slots) == sum(isinstance(a, Tensor) for a in args))
+
+    def _needs_graph(self) -> bool:
+        return not self._elementwise and super()._needs_graph()
+
+    def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """For ``a * b``: ``grad * b`` for ``a`` and ``grad * a`` for ``b``, each summed to its input's shape.
+
+        As autograd computes it (bitwise), without a graph kept from the forward pass.
+        """
+        if not self._elementwise:
+            return super().vjp(grad)
+        grads = []
+        for slot, x in zip(self._slots, self.inputs):
+            product = grad * self._leaves[1 - slot]  # the other factor: an input (or a copy of it) or a number
+            grads.append(product if product.shape == x.shape else product.sum_to_size(x.shape))
+        return tuple(grads)
+
+
+#: elementwise products whose VJP :class:`ProductCall` computes in closed form
+_MULTIPLY = frozenset({torch.mul, Tensor.mul, torch.multiply, Tensor.multiply})
 
 
 #: gates whose product with a constant tensor gives the relevance to that constant (GRU's ``r * b_hn`` at the
@@ -907,7 +973,7 @@ _register(_addmm, [torch.addmm, _T.addmm])
 _register(_batch_norm, [F.batch_norm])
 
 # F.fold adds overlapping patches: a sum (its gradient would copy each pixel's relevance to every patch)
-_register(_sum, _torch_and_tensor("add sub sum mean nansum cumsum"), _lookup(torch, "rsub"),
+_register(_sum, _torch_and_tensor("sum mean nansum cumsum"), _lookup(torch, "rsub"),
           _lookup(_T, "__radd__ __rsub__"), [F.fold])
 _register(_sum, _lookup(torch, "avg_pool1d"), _lookup(_nn, "avg_pool2d avg_pool3d"),
           _lookup(F, "adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d interpolate upsample "
@@ -919,6 +985,8 @@ _register(_in_place(_T.scatter_add, _sum), _lookup(_T, "scatter_add_"))
 _register(_index_put(_run), _torch_and_tensor("index_put"))
 _register(_scatter_reduce, _torch_and_tensor("scatter_reduce"))
 _register(_index_put(_run_in_place), _lookup(_T, "index_put_"))
+_register(_add(1), _torch_and_tensor("add"))
+_register(_add(-1), _torch_and_tensor("sub"))
 _register(_in_place_sum(_T.add, 1), _lookup(_T, "add_ __iadd__"))
 _register(_in_place_sum(_T.sub, -1), _lookup(_T, "sub_ __isub__"))
 

@@ -50,6 +50,10 @@ class AliasTracker:
     Tables hold tensors weakly: an activation the model drops is forgotten with it.
     """
 
+    # every op asks whether a table is empty: by its dict of weak references (``.data``), as the table's own
+    # ``__len__`` costs a Python call; a table whose keys all died but are not yet removed then counts as non-empty,
+    # and its lookups find nothing
+
     def __init__(self) -> None:
         #: output tensor -> the op call that produced it
         self._producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -74,7 +78,7 @@ class AliasTracker:
 
     def tag(self, x: Any) -> str | None:
         """What produced ``x`` (``"sigmoid"``, ``"softmax"``, ...), if it is tagged."""
-        return self._tags.get(x) if self._tags else None
+        return self._tags.get(x) if self._tags.data else None
 
     def set_tag(self, out: Any, tag: str | None) -> None:
         """Tag ``out`` (a tensor, or the tensors of a ``chunk``/``split`` result); None removes a tensor's tag."""
@@ -91,9 +95,9 @@ class AliasTracker:
         """``out`` was routed from ``args`` (reshaped, indexed, cast): it keeps the first argument's tag (a
         reshaped gate is a gate), and entries an in-place ReLU set to 0 keep their meaning wherever they go."""
         # each lookup in a weak table makes a weak reference: none while the table is empty (CNNs have no tags)
-        if self._tags and args and isinstance(args[0], Tensor) and (tag := self._tags.get(args[0])) is not None:
+        if self._tags.data and args and isinstance(args[0], Tensor) and (tag := self._tags.get(args[0])) is not None:
             self.set_tag(out, tag)
-        if self._zeroed:
+        if self._zeroed.data:
             self.carry_zeros(self.zeroed_in((*args, *kwargs.values())), out)
 
     def recorded(self, call: OpCall, out: Tensor) -> None:
@@ -187,13 +191,13 @@ class AliasTracker:
         None of interest where ``rule`` gives inputs that are 0 no relevance (``zero_for_zero_input``); a rule
         None (winner-take-all) routes relevance and is asked.
         """
-        if not self._zeroed or getattr(rule, "zero_for_zero_input", False):
+        if not self._zeroed.data or getattr(rule, "zero_for_zero_input", False):
             return ()
         return self.zeroed_in(call.activations)
 
     def zeroed_in(self, values: Any) -> tuple[OpCall, ...]:
         """The op calls whose output an in-place ReLU set to 0 in entries that ``values`` (tensors, lists) hold."""
-        if not self._zeroed:
+        if not self._zeroed.data:
             return ()
         found = []
         for value in values:
