@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from . import composites
-from .attribution import LRP, output_relevance
+from .attribution import LRP, cyclic_gc_paused, output_relevance
 
 __all__ = ["explain_dataset", "load_shard", "read_index", "RunMismatch", "fingerprint", "describe"]
 
@@ -431,10 +431,11 @@ def _explain_batch(lrp: LRP, dataset: Any, ids: range, device: torch.device, tar
                    reduce: Callable[[Tensor], Tensor] | None) -> dict[str, Tensor]:
     """One batch of samples explained: the tensors a shard stores for them."""
     inputs, labels = batch_inputs(dataset, ids, device)
-    explained = lrp.record(inputs)
-    prediction = explained.logits.detach().argmax(1)
-    chosen = _targets(target, prediction, labels)
-    (relevance,) = explained.relevance(output_relevance(explained.logits, chosen))
+    with cyclic_gc_paused():  # as LRP.attribute: the batch's op records are freed by reference counting
+        explained = lrp.record(inputs)
+        prediction = explained.logits.detach().argmax(1)
+        chosen = _targets(target, prediction, labels)
+        (relevance,) = explained.relevance(output_relevance(explained.logits, chosen))
     return {"relevance": reduce(relevance) if reduce is not None else relevance, "ids": torch.tensor(list(ids)),
             "target": torch.tensor(chosen), "prediction": prediction.cpu(),
             "total": relevance.reshape(len(ids), -1).sum(1).cpu()}
