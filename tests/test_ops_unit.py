@@ -153,3 +153,36 @@ def test_products_of_other_forms_keep_autograd_for_their_vjp():
                  ops.ProductCall(torch.matmul, (a, b.T), {}, "", True, False, lambda t: None)):
         call.rule = relprop.rules.Epsilon()
         assert call._needs_graph()
+
+
+class _DenseByHand(torch.nn.Module):
+    """nn.Linear's weights applied as ``x @ W.T`` (and ``torch.mm``, ``torch.matmul``) in the forward pass."""
+
+    def __init__(self, linear: torch.nn.Sequential, product):
+        super().__init__()
+        self.linear, self.product = linear, product
+
+    def forward(self, x):
+        h = torch.relu(self.product(x, self.linear[0].weight.T))
+        return self.product(h, self.linear[2].weight.T)
+
+
+@pytest.mark.parametrize("product", [torch.matmul, torch.mm, lambda a, b: a @ b], ids=["matmul", "mm", "operator"])
+@pytest.mark.parametrize("rule", [relprop.rules.ZPlus(), relprop.rules.AlphaBeta(2, 1), relprop.rules.Gamma(0.25),
+                                  relprop.rules.Epsilon(0.1)], ids=repr)
+def test_a_dense_layer_written_as_a_matrix_product_gets_the_dense_rule(product, rule):
+    torch.manual_seed(0)
+    linear = torch.nn.Sequential(torch.nn.Linear(5, 7, bias=False), torch.nn.ReLU(),
+                                 torch.nn.Linear(7, 3, bias=False)).double().eval()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    composite = relprop.Composite(dense=rule)
+    expected = relprop.LRP(linear, composite).attribute(x, target=1)
+    assert torch.equal(relprop.LRP(_DenseByHand(linear, product).eval(), composite).attribute(x, target=1), expected)
+
+
+def test_a_constant_matrix_on_the_left_stays_a_linear_map_of_the_sum_kind():
+    x = _activation(3, 4)
+    with relprop.LRP(torch.nn.Identity().eval()).context() as session:
+        call = session.aliases.producer(torch.randn(2, 3) @ x)
+        dense = session.aliases.producer(x.T @ torch.randn(3, 2))
+    assert call.kind == OpKind.SUM and dense.kind == OpKind.DENSE

@@ -404,14 +404,30 @@ def _addmm(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
         return _ADD_PRODUCTS["addmm"](session, func, args, kwargs)
     if not is_activation(x):
         return func(*args, **kwargs)
+    return _dense_by_matrix(session, func, (bias, x, weight), x, weight, bias)  # type: ignore[arg-type]
 
+
+def _matrix_product(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``x @ C`` with a constant floating-point matrix ``C`` (in x out) is a dense layer written by hand
+    (``x @ self.weight.T``): the composite's rule for dense layers. Every other matrix product is a product."""
+    if (len(args) == 2 and not kwargs and is_activation(args[0]) and args[0].dim() >= 2
+            and isinstance(args[1], Tensor) and not is_activation(args[1]) and args[1].dim() == 2
+            and args[1].is_floating_point()):
+        return _dense_by_matrix(session, func, args, args[0], args[1], None)
+    return _MATRIX(session, func, args, kwargs)
+
+
+def _dense_by_matrix(session: OpHost, func: Callable, args: tuple, x: Tensor, weight: Tensor,
+                     bias: Tensor | None) -> Any:
+    """A dense layer ``x @ weight (+ bias)`` with its weight as in x out (``func(*args)`` computes it)."""
     def evaluate(inp: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         return inp @ w if b is None else torch.addmm(b, inp, w)
 
-    constants = (weight.detach(), bias.detach() if bias is not None else None)  # type: ignore[union-attr]
-    call = ParametricCall(OpKind.DENSE, func, (bias, x, weight), {}, op_name(func), session.module_name,
-                          *constants, evaluate, 1, lambda grad, w=constants[0], like=None: grad @ w.T,
-                          session.workspace, is_first=session.fed_by_input(x))
+    constants = (weight.detach(), bias.detach() if bias is not None else None)
+    call = ParametricCall(OpKind.DENSE, func, tuple(_constant(a) if a is not x else a for a in args), {},
+                          op_name(func), session.module_name, *constants, evaluate, 1,
+                          lambda grad, w=constants[0], like=None: grad @ w.T, session.workspace,
+                          is_first=session.fed_by_input(x), input_nonnegative=session.aliases.relu_output(x))
     return session.run(call)
 
 
@@ -1021,8 +1037,9 @@ for _function in (F.relu, F.elu, F.leaky_relu, F.hardtanh):
 _register(_product(matrix=False), _torch_and_tensor("mul multiply"), _lookup(_T, "__rmul__"))
 _register(_product(matrix=False, divide=True), _torch_and_tensor("div divide true_divide"),
           _lookup(_T, "__rdiv__ __rtruediv__ __truediv__"))
-_register(_product(matrix=True), _torch_and_tensor("matmul mm bmm"), _lookup(torch, "einsum"),
-          _lookup(_T, "__matmul__ __rmatmul__"))
+_MATRIX = _product(matrix=True)
+_register(_matrix_product, _torch_and_tensor("matmul mm"), _lookup(_T, "__matmul__"))
+_register(_MATRIX, _torch_and_tensor("bmm"), _lookup(torch, "einsum"), _lookup(_T, "__rmatmul__"))
 _register(_in_place(_T.mul, _product(matrix=False)), _lookup(_T, "mul_ __imul__"))
 _register(_in_place(_T.div, _product(matrix=False, divide=True)), _lookup(_T, "div_ __itruediv__"))
 
