@@ -148,6 +148,23 @@ def test_input_free_kernel_matches_the_reference_on_the_demo_cnn(rule, dtype):
         torch.testing.assert_close(found[0], found[1], **tolerance)
 
 
+@pytest.mark.parametrize("layer_name", ["linear-3d", "conv2d-stride2", "conv_transpose2d", "dilated-grouped-conv2d",
+                                        "conv2d+batch_norm"])
+@pytest.mark.parametrize("rule", [rules.Flat(stabilizer=1e-3), rules.WSquare(stabilizer=1e-3)], ids=repr)
+def test_input_free_kernel_in_slices_of_the_batch_equals_the_reference_form(rule, layer_name, monkeypatch):
+    """On a CPU the batch goes through in slices of SLICE_BYTES of quotient: here two examples, then one."""
+    make, in_shape = LAYERS[layer_name]
+    layer = make(True).double().eval()
+    x = torch.randn(3, *in_shape, dtype=torch.float64)
+    R = torch.randn_like(layer(x))
+    monkeypatch.setattr(kernels, "SLICE_BYTES", 2 * R[:1].numel() * R.element_size())
+    fused = _Form(rule, fused=True)
+    results = [relprop.LRP(layer, relprop.Composite(conv=form, dense=form)).attribute(x, target=R)
+               for form in (fused, _Form(rule, fused=False))]
+    assert fused.served == [True]
+    torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=1e-15)
+
+
 def test_input_free_kernel_leaves_an_unbatched_input_to_the_reference_form():
     """A conv on one unbatched image has no batch to share the denominator over."""
     layer = nn.Conv2d(2, 3, 3, padding=1).double().eval()

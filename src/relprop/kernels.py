@@ -367,6 +367,12 @@ class _Box(Kernel):
         return _unwrap(call.scale_input_channels(w_pos, low_vector)).add_(w_neg)
 
 
+#: bytes of quotient per transposed product of :class:`_InputFree` on a CPU: the quotient of a slice of the batch
+#: stays in cache between the division and the product (twice as fast on the demo CNN's first layer at batch 256
+#: as one quotient of the whole batch, which is written to fresh memory and read back)
+SLICE_BYTES = 1 << 21
+
+
 class _InputFree(Kernel):
     """One term ``1 * rho(W)`` (flat: ``rho(W) = 1``; w^2: ``rho(W) = W^2``), shared by ``f(1; rho(W), rho(b))``."""
 
@@ -383,9 +389,17 @@ class _InputFree(Kernel):
             return None
         bias = self.param(call.bias) if self.bias and call.bias is not None else None
         # the denominator reads no input: one example's is every example's, and broadcasts against the relevance
-        z = call.evaluate(torch.ones_like(x[:1]), weight, bias)
-        shared = torch.div(relevance, denominator(z, self.stabilizer))
-        return call.transpose_with(shared, weight)  # times the modified input, 1
+        shared = denominator(call.evaluate(torch.ones_like(x[:1]), weight, bias), self.stabilizer)
+        step = len(x)
+        if relevance.device.type == "cpu":
+            step = max(1, SLICE_BYTES // max(1, relevance[:1].numel() * relevance.element_size()))
+        if step >= len(x):
+            return call.transpose_with(torch.div(relevance, shared), weight)  # times the modified input, 1
+        grad = torch.empty_like(x)
+        for start in range(0, len(x), step):
+            part = slice(start, start + step)
+            grad[part] = call.transpose_with(torch.div(relevance[part], shared), weight, like=x[part])
+        return grad
 
 
 def _channel_vector(value: float | Tensor, x: Tensor, axis: int) -> Tensor | None:
