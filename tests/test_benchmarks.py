@@ -132,3 +132,16 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path):
     assert status.count(": exit 0 after") == 5, status
     assert "| relprop epsilon |" in (tmp_path / "bench-bfloat16.log").read_text()
     assert not (tmp_path / "scratch").exists()
+
+
+def test_the_profile_prints_the_costliest_ops_of_each_run(capsys):
+    import dataset_throughput
+
+    x = torch.rand(64, 64)
+    dataset_throughput.profile({"matmul": lambda: x @ x, "sum": lambda: x.sum()}, rows=1)
+    out = capsys.readouterr().out
+    assert out.count("| op | input shapes | calls per batch | self CPU (ms) |") == 2
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| aten::")]
+    assert [row[0].strip() for row in rows] == ["aten::mm", "aten::sum"]
+    assert [row[1].strip() for row in rows] == ["[64, 64], [64, 64]", "[64, 64]"]
+    assert [float(row[2]) for row in rows] == [1.0, 1.0]  # one call per run, averaged over five

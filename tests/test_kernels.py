@@ -14,6 +14,7 @@ from torch import nn
 
 import relprop
 from relprop import kernels, rules
+from relprop.demo import SmallCNN
 
 LAYERS = {
     "linear": (lambda bias: nn.Linear(6, 4, bias=bias), (6,)),
@@ -23,6 +24,8 @@ LAYERS = {
     "conv3d": (lambda bias: nn.Conv3d(2, 2, 2, padding=1, bias=bias), (2, 3, 3, 2)),
     "conv_transpose2d": (lambda bias: nn.ConvTranspose2d(2, 3, 3, stride=2, bias=bias), (2, 3, 3)),
     "grouped-conv2d": (lambda bias: nn.Conv2d(4, 6, 3, padding=1, groups=2, bias=bias), (4, 6, 5)),
+    "dilated-grouped-conv2d": (lambda bias: nn.Conv2d(4, 6, 3, stride=2, padding=2, dilation=2, groups=2, bias=bias),
+                               (4, 7, 6)),
     "conv2d+batch_norm": (lambda bias: randomize_batch_norms(nn.Sequential(
         nn.Conv2d(2, 3, 3, stride=2, padding=1, bias=bias), nn.BatchNorm2d(3))), (2, 6, 5)),
 }
@@ -38,6 +41,9 @@ RULES = {
     "zbox-per-position": lambda shape, axis: rules.ZBox(*(
         bound + sign * torch.rand(1, *shape, dtype=torch.float64)
         for bound, sign in zip(_channel_bounds(shape, axis), (-1, 1)))),
+    "flat": lambda shape, axis: rules.Flat(stabilizer=1e-3),
+    "wsquare": lambda shape, axis: rules.WSquare(stabilizer=1e-3),
+    "wsquare-zero-bias": lambda shape, axis: rules.WSquare(zero_bias=True),
 }
 
 
@@ -113,7 +119,59 @@ def test_kernels_are_chosen_from_the_terms_not_the_class(rule):
     assert rules.BasicRule(rule._terms[:1], rule._gradient_mapper).kernel is None  # other terms
     assert rules.BasicRule(rule._terms, rule._gradient_mapper, zero_bias=True).kernel is None
     assert rules.BasicRule(rule._terms, rule._gradient_mapper, reducer=lambda inputs, grads: grads[0]).kernel is None
-    assert rules.WSquare().kernel is None and rules.Flat().kernel is None
+    assert rules.BasicRule(rules.Flat()._terms, rules.Shares(1e-6, weights=(2.0,))).kernel is None  # other weight
+
+
+def test_flat_and_wsquare_take_the_input_free_kernel():
+    """Flat keeps its zero_bias, w^2 its bias unless dropped: the kernel's bias flag follows the rule."""
+    assert isinstance(rules.Flat().kernel, kernels._InputFree) and not rules.Flat().kernel.bias
+    assert rules.WSquare().kernel.bias and not rules.WSquare(zero_bias=True).kernel.bias
+    assert not rules.Flat().needs_output and not rules.WSquare().needs_output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rule", [rules.Flat(), rules.WSquare()], ids=repr)
+def test_input_free_kernel_matches_the_reference_on_the_demo_cnn(rule, dtype):
+    """Every conv and dense layer of the demo CNN, batch 64: flat gives the same bits as the reference form (its
+    denominators are whole numbers), w^2 agrees to 1e-12 in float64 (one example's sums may take another order).
+    """
+    torch.manual_seed(0)
+    model = SmallCNN().eval().to(dtype)
+    x = torch.rand(64, 1, 28, 28, dtype=dtype)
+    R = torch.randn(64, 10, dtype=dtype)
+    found = [relprop.LRP(model, relprop.Composite(conv=form, dense=form)).attribute(x, target=R)
+             for form in (_Form(rule, fused=True), _Form(rule, fused=False))]
+    if isinstance(rule, rules.Flat):
+        assert torch.equal(found[0], found[1])
+    else:
+        tolerance = {"rtol": 1e-12, "atol": 1e-15} if dtype == torch.float64 else {}  # float32: the default
+        torch.testing.assert_close(found[0], found[1], **tolerance)
+
+
+@pytest.mark.parametrize("layer_name", ["linear-3d", "conv2d-stride2", "conv_transpose2d", "dilated-grouped-conv2d",
+                                        "conv2d+batch_norm"])
+@pytest.mark.parametrize("rule", [rules.Flat(stabilizer=1e-3), rules.WSquare(stabilizer=1e-3)], ids=repr)
+def test_input_free_kernel_in_slices_of_the_batch_equals_the_reference_form(rule, layer_name, monkeypatch):
+    """On a CPU the batch goes through in slices of SLICE_BYTES of quotient: here two examples, then one."""
+    make, in_shape = LAYERS[layer_name]
+    layer = make(True).double().eval()
+    x = torch.randn(3, *in_shape, dtype=torch.float64)
+    R = torch.randn_like(layer(x))
+    monkeypatch.setattr(kernels, "SLICE_BYTES", 2 * R[:1].numel() * R.element_size())
+    fused = _Form(rule, fused=True)
+    results = [relprop.LRP(layer, relprop.Composite(conv=form, dense=form)).attribute(x, target=R)
+               for form in (fused, _Form(rule, fused=False))]
+    assert fused.served == [True]
+    torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=1e-15)
+
+
+def test_input_free_kernel_leaves_an_unbatched_input_to_the_reference_form():
+    """A conv on one unbatched image has no batch to share the denominator over."""
+    layer = nn.Conv2d(2, 3, 3, padding=1).double().eval()
+    x = torch.rand(2, 5, 5, dtype=torch.float64)
+    form = _Form(rules.WSquare(), fused=True)
+    relprop.LRP(layer, relprop.Composite(conv=form)).attribute(x, target=torch.ones(3, 5, 5, dtype=torch.float64))
+    assert form.served == [False]
 
 
 def test_alpha_beta_kernel_reads_its_weights_from_the_shares():

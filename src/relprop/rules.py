@@ -362,7 +362,7 @@ class BasicRule(Rule[ParametricView]):
     ``c_t = VJP_t(s_t)`` (default: ``sum_t input_t * c_t``).
 
     That is the rule's reference form. Where :mod:`relprop.kernels` has a fused
-    form for these terms and this mapper (z+, alpha-beta, gamma, z^B), it
+    form for these terms and this mapper (z+, alpha-beta, gamma, z^B, flat, w^2), it
     computes the same relevance with fewer passes over memory on the calls it
     serves; everything else takes the reference form.
 
@@ -397,7 +397,7 @@ class BasicRule(Rule[ParametricView]):
         self._gradient_mapper = gradient_mapper
         self._reducer = reducer
         self.zero_bias = zero_bias
-        self._kernel = None if zero_bias or reducer is not None else fused(self._terms, gradient_mapper)
+        self._kernel = None if reducer is not None else fused(self._terms, gradient_mapper, zero_bias)
         self._needs_output: bool | None = None  # set: the flag as given, instead of as the parts say
         self._zero_for_zero_input: bool | None = None
 
