@@ -369,7 +369,7 @@ class Session(TorchFunctionMode):
         for r in handed[1:]:  # one addition per further input: fewer ops than stacking their sums
             total = total + r.sum()
         # the relevance arriving, summed in absolute value: a conservative rule never hands on more
-        mass = torch.linalg.vector_norm(relevance, 1) if call.rule.conserves(call) else None
+        mass = relevance.abs().sum() if call.rule.conserves(call) else None  # faster than vector_norm(r, 1) on CPU
         # kept as tensors and read once at the end: one synchronisation per backward pass on a GPU, not one per op
         self._totals.append((call, total, mass))
 
