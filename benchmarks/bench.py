@@ -414,7 +414,7 @@ def print_per_op(rounds: int, device: str, dtype: torch.dtype) -> None:
 def profile_parts(runs: int, device: str, dtype: torch.dtype, preset: str = "epsilon",
                   blocks: int = 200) -> tuple[float, dict[str, float]]:
     """Profiled seconds of ``runs`` attributions of :class:`TinyOps`, and the share of that time in (and below)
-    each part of relprop's work per op (:data:`PARTS`; the shares overlap)."""
+    each part of relprop's work per op (:func:`parts`; the shares overlap)."""
     import cProfile
     import pstats
 
@@ -428,14 +428,18 @@ def profile_parts(runs: int, device: str, dtype: torch.dtype, preset: str = "eps
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # (file, line, name) -> (.., cumulative, ..)
     total = max(entry[3] for entry in stats.values())
     shares = {}
-    for part, function in PARTS.items():
+    for part, function in parts().items():
         code = function.__code__
         entry = stats.get((code.co_filename, code.co_firstlineno, code.co_name))
         shares[part] = entry[3] / total if entry else 0.0
     return total, shares
 
 
-def _parts() -> dict[str, Callable]:
+@functools.cache
+def parts() -> dict[str, Callable]:
+    """The parts of relprop's work per op that ``--profile`` reports, each by the function that does it.
+
+    Looked up when asked, so that the rest of this script also times other versions of relprop."""
     from relprop import engine, graph, rules, tracking
 
     return {"interception, forward pass (`Session.__torch_function__`)": engine.Session.__torch_function__,
@@ -449,10 +453,6 @@ def _parts() -> dict[str, Callable]:
             "module hooks put on and taken off (`Session.active`)": engine.Session.active.__wrapped__,
             "module hooks, forward start (`Session._enter_module`)": engine.Session._enter_module,
             "module hooks, forward end (`Session._exit_module`)": engine.Session._exit_module}
-
-
-#: the parts of relprop's work per op that ``--profile`` reports, each by the function that does it
-PARTS = _parts()
 
 
 def print_profile(runs: int, device: str, dtype: torch.dtype) -> None:

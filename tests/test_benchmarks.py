@@ -51,7 +51,7 @@ def test_the_per_op_model_calls_three_ops_a_block_and_relprop_costs_more_than_a_
 
 def test_the_profile_finds_every_part_of_the_work_per_op_within_the_attribution():
     total, shares = bench.profile_parts(runs=2, device="cpu", dtype=torch.float32, blocks=20)
-    assert total > 0 and set(shares) == set(bench.PARTS)
+    assert total > 0 and set(shares) == set(bench.parts())
     assert all(0 < share < 1 for share in shares.values())  # each part ran, inside the attributions profiled
     interception = shares["interception, forward pass (`Session.__torch_function__`)"]
     assert shares["op records (`OpCall.__init__`)"] < interception  # op records are made inside the interception
