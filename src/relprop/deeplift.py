@@ -52,7 +52,7 @@ from . import rules
 from .attribution import LRP, Attribution, Inputs, Target, _as_tuple, _captum_entry, _forward_arguments, target_mask
 from .composites import Composite
 from .engine import ConservationWarning, RuleError, Session
-from .graph import OpCall, OpKind, is_activation, write_into
+from .graph import OpCall, OpKind, is_activation, sum_to, write_into
 from .layer import _backward_to_taps, _one_or_list, _resolve, _Tapper
 from .ops import _bind, op_name
 
@@ -76,10 +76,6 @@ def _halves(call: OpCall, tensor: Tensor, pairs: int) -> tuple[Tensor, Tensor]:
 def _input_half(value: Tensor) -> Tensor:
     """A multiplier of the input half, with zeros for the baseline half."""
     return torch.cat([value, torch.zeros_like(value)])
-
-
-def _sum_to(tensor: Tensor, shape: torch.Size) -> Tensor:
-    return tensor if tensor.shape == shape else tensor.sum_to_size(shape)
 
 
 def _arguments(call: OpCall) -> tuple[tuple, dict]:
@@ -134,7 +130,7 @@ class Rescale(_Paired):
         # an activation module run as one op (its output stored) cannot be evaluated again: secants only
         tiny = _tiny(dx, x1.expand_as(y1), x0.expand_as(y1)) if differentiable else dx == 0
         secant = torch.where(tiny, 0.0, dy / torch.where(tiny, 1.0, dx))
-        result = _sum_to(m * secant, x1.shape)
+        result = sum_to(m * secant, x1.shape)
         if differentiable and bool(tiny.any()):
             grad_out = _input_half(torch.where(tiny, m, 0.0)).to(at_midpoint.dtype)
             (derivative,) = torch.autograd.grad(at_midpoint, leaf, grad_out)
@@ -194,7 +190,7 @@ class Quotient(_Paired):
         m = self.halves(call, relevance)[0]
         m_a = m * (1 / b1 + 1 / b0) / 2
         m_b = -m * ((a1 + a0) / 2) / (b1 * b0)
-        return _input_half(_sum_to(m_a, a1.shape)), _input_half(_sum_to(m_b, b1.shape))
+        return _input_half(sum_to(m_a, a1.shape)), _input_half(sum_to(m_b, b1.shape))
 
 
 def _softmax_multiplier(x1: Tensor, x0: Tensor, m: Tensor, dim: int) -> Tensor:
@@ -339,7 +335,7 @@ class AttentionRescale(_Paired):
             found["attn_mask"] = m_scores
         roles = [key for key in ("query", "key", "value", "attn_mask")
                  if any(bound.get(key) is x for x in call.inputs)]
-        return tuple(_input_half(_sum_to(found[role], x[:self.pairs].shape))
+        return tuple(_input_half(sum_to(found[role], x[:self.pairs].shape))
                      for role, x in zip(roles, call.inputs))
 
     def _pair(self, call: OpCall, value: Tensor) -> tuple[Tensor, Tensor]:

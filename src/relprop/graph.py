@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .rules import Rule
 
 __all__ = ["OpKind", "OpCall", "ParametricCall", "AddCall", "InPlaceSumCall", "Workspace", "is_activation", "propagate",
-           "watch", "tap", "substitute", "is_relevance_node", "model_input", "routed_image"]
+           "watch", "tap", "substitute", "is_relevance_node", "model_input", "routed_image", "sum_to"]
 
 
 _Parameter = torch.nn.Parameter  # looked up once: `torch.nn.Parameter` costs three attribute lookups per call
@@ -108,6 +108,11 @@ def _positional_activations(args: tuple) -> tuple[list, list[int] | None]:
         elif isinstance(value, _CONTAINERS) and _holds_activation(value):
             return list(args), None
     return list(args), slots
+
+
+def sum_to(tensor: Tensor, shape: torch.Size) -> Tensor:
+    """``tensor`` summed over the dimensions along which ``shape`` was broadcast (itself where the shapes match)."""
+    return tensor if tensor.shape == shape else tensor.sum_to_size(shape)
 
 
 def _storage_count(tensor: Tensor) -> int:
@@ -763,11 +768,8 @@ class AddCall(OpCall):
         return False
 
     def vjp(self, grad: Tensor) -> tuple[Tensor, ...]:
-        grads = []
-        for factor, x in zip(self._factors, self.inputs):
-            scaled = grad if factor == 1 else grad * factor
-            grads.append(scaled if scaled.shape == x.shape else scaled.sum_to_size(x.shape))
-        return tuple(grads)
+        return tuple(sum_to(grad if factor == 1 else grad * factor, x.shape)
+                     for factor, x in zip(self._factors, self.inputs))
 
 
 class InPlaceSumCall(AddCall):

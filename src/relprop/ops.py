@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .graph import AddCall, InPlaceSumCall, OpCall, OpKind, ParametricCall, Workspace, is_activation, substitute, write_into
+from .graph import (AddCall, InPlaceSumCall, OpCall, OpKind, ParametricCall, Workspace, is_activation, substitute,
+                    sum_to, write_into)
 from .quantized import QUANTIZED_HANDLERS
 from .recurrent import RECURRENT_HANDLERS
 from .rules import Gradient, Pass
@@ -29,8 +30,8 @@ from .tracking import AliasTracker, aliases
 if TYPE_CHECKING:
     from .rules import Rule
 
-__all__ = ["HANDLERS", "ALWAYS_HANDLED", "ROUTING_HANDLERS", "OpHost", "ProductCall", "SoftmaxCall", "MaxPoolCall", "AttentionCall",
-           "from_aten", "has_activation", "has_parameter", "op_name"]
+__all__ = ["HANDLERS", "ALWAYS_HANDLED", "ROUTING_HANDLERS", "OpHost", "ProductCall", "SoftmaxCall", "MaxPoolCall",
+           "AttentionCall", "from_aten", "has_activation", "has_parameter", "op_name"]
 
 
 class OpHost(Protocol):
@@ -721,11 +722,8 @@ class ProductCall(OpCall):
         """
         if not self._elementwise:
             return super().vjp(grad)
-        grads = []
-        for slot, x in zip(self._slots, self.inputs):
-            product = grad * self._leaves[1 - slot]  # the other factor: an input (or a copy of it) or a number
-            grads.append(product if product.shape == x.shape else product.sum_to_size(x.shape))
-        return tuple(grads)
+        # the other factor of each: an input (or a copy of it) or a number
+        return tuple(sum_to(grad * self._leaves[1 - slot], x.shape) for slot, x in zip(self._slots, self.inputs))
 
 
 #: elementwise products whose VJP :class:`ProductCall` computes in closed form

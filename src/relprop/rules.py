@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .contract import (AttentionView, Call, OpKind, ParametricView, PoolView, ProductView, SoftmaxView, is_attention,
                        is_parametric, is_product)
+from .graph import sum_to
 
 if TYPE_CHECKING:
     from .graph import OpCall
@@ -90,11 +91,6 @@ def inverse_denominator(z: Tensor, epsilon: float, in_place: bool = False) -> Te
     return torch.copysign(torch.tensor(epsilon, dtype=z.dtype, device=z.device), z).add_(z).reciprocal_()
 
 
-def _sum_to(tensor: Tensor, shape: torch.Size) -> Tensor:
-    """Sum ``tensor`` over the dimensions along which ``shape`` was broadcast."""
-    return tensor if tensor.shape == shape else tensor.sum_to_size(shape)
-
-
 class Rule(Generic[C_contra]):
     """Base class of all rules.
 
@@ -142,7 +138,7 @@ class Rule(Generic[C_contra]):
         return False
 
     def prepare(self, call: C_contra) -> Tensor | None:
-        """Precompute from ``call.output`` what :meth:`propagate` needs; :meth:`propagate` reads it as ``call.prepared``.
+        """Precompute from ``call.output`` what :meth:`propagate` needs; it reads that as ``call.prepared``.
 
         Called once per call, at the start of the backward pass, or earlier if
         the output is about to be modified in place. The op call keeps what this
@@ -580,7 +576,7 @@ class Pass(Rule[Call]):
         return _broadcasts_to(call.inputs[0].shape, call.output.shape)
 
     def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
-        return (_sum_to(relevance, call.inputs[0].shape),)
+        return (sum_to(relevance, call.inputs[0].shape),)
 
     def conserves(self, call: Call) -> bool:
         return True
@@ -760,7 +756,7 @@ class SignalTakesAll(Rule[Call]):
             grads = call.vjp(relevance * call.prepared)
             return tuple(None if gate or c is None else x * c for x, c, gate in zip(call.inputs, grads, gates))
         # gate * signal elementwise: the signal's share is all of it
-        return tuple(None if gate else _sum_to(relevance, x.shape) for x, gate in zip(call.inputs, gates))
+        return tuple(None if gate else sum_to(relevance, x.shape) for x, gate in zip(call.inputs, gates))
 
 
 class Softmax(Rule[SoftmaxView]):
@@ -831,7 +827,7 @@ class AsFunction(Rule[C_contra]):
         return call.kind in self.kinds and len(call.inputs) == 1 and call.arguments is not None
 
     def surrogate_output(self, call: C_contra, x: Tensor) -> Tensor:
-        """The surrogate at ``x`` with ``call``'s arguments; rules that build the surrogate from the call override it."""
+        """The surrogate at ``x`` with ``call``'s arguments; rules that build it from the call override this."""
         return self.surrogate(x, **call.arguments)  # type: ignore[arg-type]  # accepts() checked the arguments
 
     def propagate(self, call: C_contra, relevance: Tensor) -> tuple[Tensor | None, ...]:
@@ -999,7 +995,8 @@ class _Window:
 
     @classmethod
     def of(cls, call: OpCall) -> _Window | None:
-        """The window of a ``conv1d``..``conv3d`` with numeric padding or a ``max_pool1d``..``max_pool3d``; else None."""
+        """The window of a ``conv1d``..``conv3d`` with numeric padding or of a ``max_pool1d``..``max_pool3d``, else
+        None."""
         options = call.arguments
         if options is None:
             return None
@@ -1096,7 +1093,7 @@ class _SmoothedConv:
             return self.evaluate(self.call.inputs[0], self.weight, self.bias)
 
     def evaluate(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """The convolution with ``weight`` smoothed (:func:`_boxed`): output n reads ``x[s n - p : s n - p + k + s - 1]``.
+        """The convolution with ``weight`` smoothed (:func:`_boxed`): output n reads ``x[s n - p : s n - p + k+s-1]``.
 
         The far end is padded with zeros so that there are as many outputs as
         the op gives (F.pad lists the last dimension first).
