@@ -1,4 +1,6 @@
 """relprop.ops: the op registry is strict, each family makes calls of its kind with their fields declared."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,7 +179,10 @@ def test_a_dense_layer_written_as_a_matrix_product_gets_the_dense_rule(product, 
     x = torch.randn(4, 5, dtype=torch.float64)
     composite = relprop.Composite(dense=rule)
     expected = relprop.LRP(linear, composite).attribute(x, target=1)
-    assert torch.equal(relprop.LRP(_DenseByHand(linear, product).eval(), composite).attribute(x, target=1), expected)
+    # the same rule; its modified forward (z+, for one) runs as `x @ C` here and as F.linear there: BLAS may sum
+    # their products in another order, so equal to rounding in float64, not always bitwise
+    torch.testing.assert_close(relprop.LRP(_DenseByHand(linear, product).eval(), composite).attribute(x, target=1),
+                               expected, rtol=1e-12, atol=1e-12)
 
 
 def test_a_constant_matrix_on_the_left_stays_a_linear_map_of_the_sum_kind():
@@ -186,3 +191,53 @@ def test_a_constant_matrix_on_the_left_stays_a_linear_map_of_the_sum_kind():
         call = session.aliases.producer(torch.randn(2, 3) @ x)
         dense = session.aliases.producer(x.T @ torch.randn(3, 2))
     assert call.kind == OpKind.SUM and dense.kind == OpKind.DENSE
+
+
+@pytest.mark.parametrize("nonzeros_per_row", [1, 3])
+def test_a_dense_transposed_product_of_sparse_relevance_takes_the_selected_weight_rows(nonzeros_per_row):
+    torch.manual_seed(0)
+    weight = torch.randn(40000, 64, dtype=torch.float64)
+    grad = torch.zeros(2, 8, 40000, dtype=torch.float64)
+    for token in (1, 7):  # two tokens of the first example carry relevance, the rest none
+        grad[0, token, torch.randint(0, 40000, (nonzeros_per_row,))] = torch.randn(nonzeros_per_row,
+                                                                                   dtype=torch.float64)
+    calls = []
+    original = torch.Tensor.index_add_
+    try:  # the sparse form runs: one index_add_ over the selected rows
+        torch.Tensor.index_add_ = lambda self, *args: calls.append(args[1].numel()) or original(self, *args)
+        result = ops.dense_transpose(grad, weight)
+    finally:
+        torch.Tensor.index_add_ = original
+    assert calls == [2 * nonzeros_per_row]
+    expected = grad @ weight
+    if nonzeros_per_row == 1:  # one row of the weight, scaled: bitwise the dense product
+        assert torch.equal(result, expected)
+    torch.testing.assert_close(result, expected, rtol=0, atol=1e-12)
+
+
+def test_a_dense_transposed_product_of_dense_or_small_relevance_is_the_plain_product():
+    torch.manual_seed(0)
+    weight, dense = torch.randn(4096, 64), torch.randn(64, 4096)
+    assert torch.equal(ops.dense_transpose(dense, weight), dense @ weight)  # nonzero everywhere
+    small = torch.zeros(4, 4096)
+    small[0, 3] = 1.0  # sparse, but a product of 1 million multiply-adds: checking would cost more than it saves
+    assert small.numel() * weight.shape[1] < ops.SPARSE_PRODUCT_SIZE
+    assert torch.equal(ops.dense_transpose(small, weight), small @ weight)
+    nan = torch.zeros(64, 4096)
+    nan[0, 0] = math.nan  # counted as nonzero: it reaches the result as in the dense product
+    assert torch.isnan(ops.dense_transpose(nan, weight)[0]).all()
+
+
+def test_the_language_model_head_of_a_llama_hands_on_relevance_through_its_sparse_form_exactly(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    ids = torch.randint(0, 32000, (1, 12))
+    lrp = relprop.LRP(model, "attnlrp")
+    sparse = lrp.attribute(ids, target=(-1, 42))
+    monkeypatch.setattr(ops, "SPARSE_PRODUCT_SIZE", 1 << 62)  # every transposed product dense
+    dense = lrp.attribute(ids, target=(-1, 42))
+    assert sparse.abs().sum() > 0
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-12)

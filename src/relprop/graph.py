@@ -270,7 +270,7 @@ class OpCall:
         self.inputs = tuple(inputs)
         self.versions = tuple(x._version for x in inputs)
         if self._graph is not None:  # it may have saved the old memory (a product saves its factors)
-            self._rebuild_graph()
+            self._build_graph()
 
     def detach_graph(self) -> None:
         """Before the output is modified in place: the kept autograd graph built anew if it may have saved it.
@@ -280,10 +280,10 @@ class OpCall:
         attention saves it; linear ops save only their inputs.
         """
         if self._graph is not None and self._linearised is self.func and self.kind not in _SAVES_NO_OUTPUT:
-            self._rebuild_graph()
+            self._build_graph()
 
-    def _rebuild_graph(self) -> None:
-        """The op's private autograd graph built again on :attr:`inputs`."""
+    def _build_graph(self) -> None:
+        """The op's private autograd graph, built (or built again) on :attr:`inputs`."""
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in self.inputs]
             self._graph = (leaves, self._call(self._linearised, leaves))
@@ -323,9 +323,7 @@ class OpCall:
     def run(self) -> Tensor:
         """Compute the output; keep the op's gradient graph if the rule needs its VJP."""
         if self._needs_graph():
-            with torch.enable_grad():
-                leaves = [x.detach().requires_grad_() for x in self.inputs]
-                self._graph = (leaves, self._call(self._linearised, leaves))
+            self._build_graph()
         if self._graph is not None and self._linearised is self.func:
             return self._graph[1].detach()
         # the model's own tensors (activations flagged requires_grad, parameters as they are): some kernels
@@ -340,7 +338,7 @@ class OpCall:
         kept inputs (the op runs once more).
         """
         if self._graph is None:
-            self._rebuild_graph()
+            self._build_graph()
         if self._graph is None:  # a convolution merged with a BatchNorm keeps no inputs to run it on again
             raise RuntimeError(f"relprop: rule {self.rule!r} takes the VJP of {self.describe()} without setting "
                                "needs_vjp = True; set it on the rule")
@@ -677,9 +675,9 @@ class ParametricCall(OpCall):
     def release(self) -> None:
         """Keep the data input: a BatchNorm that follows builds its merged node on it."""
 
-    def _rebuild_graph(self) -> None:
+    def _build_graph(self) -> None:
         if self._batch_norm is None:  # a merged call's graph ends in the BatchNorm; the op's VJP saves no input
-            super()._rebuild_graph()
+            super()._build_graph()
 
     def finish(self) -> None:
         super().finish()

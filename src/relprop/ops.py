@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .rules import Rule
 
 __all__ = ["HANDLERS", "ALWAYS_HANDLED", "ROUTING_HANDLERS", "OpHost", "ProductCall", "SoftmaxCall", "MaxPoolCall",
-           "AttentionCall", "from_aten", "has_activation", "has_parameter", "op_name"]
+           "AttentionCall", "dense_transpose", "from_aten", "has_activation", "has_parameter", "op_name"]
 
 
 class OpHost(Protocol):
@@ -362,6 +362,35 @@ def _conv_vjp(x: Tensor, weight: Tensor, options: dict, transposed: bool) -> Cal
     return transpose
 
 
+#: a dense layer's transposed product ``grad @ W`` looks for zeros in ``grad`` from this many multiply-adds on
+#: (one counting pass over ``grad``, well under 1% of such a product), ...
+SPARSE_PRODUCT_SIZE = 1 << 24
+#: ... and takes the rows of ``W`` that the nonzero entries select where at most this share of ``grad`` is nonzero
+SPARSE_SHARE = 1 / 64
+
+
+def dense_transpose(grad: Tensor, weight: Tensor) -> Tensor:
+    """The VJP of a dense layer with respect to its input, ``grad @ weight`` (``weight``: out x in features).
+
+    Relevance is often nonzero in a few entries only: explaining one logit of
+    a language-model head puts it in one entry of ``(tokens, vocabulary)``.
+    There the product is a sum of the rows of ``weight`` that the nonzero
+    entries select, scaled by them, instead of a dense product over every
+    zero; a row with one nonzero entry comes out bitwise the same, and one
+    with several differs only in the order of its sum. On a CPU only: the
+    count of nonzero entries is needed on the host, and on a GPU reading it
+    waits for every kernel queued before.
+    """
+    if grad.device.type == "cpu" and grad.numel() * weight.shape[1] >= SPARSE_PRODUCT_SIZE:
+        flat = grad.reshape(-1, grad.shape[-1])
+        if int(torch.count_nonzero(flat)) <= SPARSE_SHARE * flat.numel():  # NaN and inf count as nonzero
+            rows, columns = flat.nonzero(as_tuple=True)
+            out = flat.new_zeros(flat.shape[0], weight.shape[1])
+            out.index_add_(0, rows, flat[rows, columns].unsqueeze(1) * weight[columns])
+            return out.view(*grad.shape[:-1], weight.shape[1])
+    return grad @ weight
+
+
 def _parametric(kind: OpKind, names: tuple[str, ...]) -> Handler:
     """Convolutions and dense layers: ``f(x; weight, bias)``, rule from the composite."""
     transposed = names is _CONV_TRANSPOSE
@@ -382,7 +411,7 @@ def _parametric(kind: OpKind, names: tuple[str, ...]) -> Handler:
             return func(inp, w, b, **options)
 
         if kind == OpKind.DENSE:
-            transpose, channel_dim = (lambda grad, w=weight, like=None: grad @ w), 0  # the shape follows from w
+            transpose, channel_dim = (lambda grad, w=weight, like=None: dense_transpose(grad, w)), 0  # shape from w
         else:
             transpose = _conv_vjp(x.detach(), weight, options, transposed)
             # a merged BatchNorm scales the weight's output-channel dimension: 1 for transposed
@@ -427,7 +456,7 @@ def _dense_by_matrix(session: OpHost, func: Callable, args: tuple, x: Tensor, we
     constants = (weight.detach(), bias.detach() if bias is not None else None)
     call = ParametricCall(OpKind.DENSE, func, tuple(_constant(a) if a is not x else a for a in args), {},
                           op_name(func), session.module_name, *constants, evaluate, 1,
-                          lambda grad, w=constants[0], like=None: grad @ w.T, session.workspace,
+                          lambda grad, w=constants[0], like=None: dense_transpose(grad, w.T), session.workspace,
                           is_first=session.fed_by_input(x), input_nonnegative=session.aliases.relu_output(x))
     return session.run(call)
 
