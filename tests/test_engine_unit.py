@@ -192,3 +192,19 @@ def test_a_rule_that_takes_the_vjp_without_the_flag_gets_it(model):
     expected = flagged.attribute(x, target=target)
     assert torch.equal(unflagged.attribute(x, target=target), expected)
     assert expected.abs().sum() > 0
+
+
+def test_a_view_an_op_returns_becomes_a_tensor_of_its_own_and_a_copy_where_it_views_an_argument():
+    from relprop.graph import _unviewed
+
+    x = torch.randn(2, 3, 4)
+    weight, bias = torch.randn(5, 4), torch.randn(5)
+    fresh = torch.nn.functional.linear(x, weight, bias)  # the 2-D addmm, viewed in the input's shape
+    call = OpCall(OpKind.DENSE, torch.nn.functional.linear, (x, weight, bias), {}, "linear", "")
+    own = _unviewed(fresh, call)
+    assert fresh._is_view() and not own._is_view()
+    assert own.data_ptr() == fresh.data_ptr() and torch.equal(own, fresh)  # the same memory, no copy
+    of_argument = x[:, 1:]  # an op returning a view of its input: modifying it must not modify the input
+    copied = _unviewed(of_argument, OpCall(OpKind.ELEMENTWISE, torch.Tensor.__getitem__, (x,), {}, "getitem", ""))
+    assert not copied._is_view() and copied.data_ptr() != of_argument.data_ptr()
+    assert torch.equal(copied, of_argument)

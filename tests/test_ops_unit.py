@@ -193,39 +193,59 @@ def test_a_constant_matrix_on_the_left_stays_a_linear_map_of_the_sum_kind():
     assert call.kind == OpKind.SUM and dense.kind == OpKind.DENSE
 
 
+def _spied_dense_transpose(grad, weight, monkeypatch):
+    """``ops.dense_transpose(grad, weight)`` and the sparse forms it took (``index_copy_``: rows; ``index_add_``:
+    entries), each with the number of rows it wrote."""
+    taken = []
+    for name in ("index_copy_", "index_add_"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, dim, index, source, *args, name=name, original=original:
+                            taken.append((name, index.numel())) or original(self, dim, index, source, *args))
+    return ops.dense_transpose(grad, weight), taken
+
+
+def test_a_dense_transposed_product_of_relevance_in_a_few_rows_multiplies_those_rows_alone(monkeypatch):
+    torch.manual_seed(0)
+    weight = torch.randn(4096, 256, dtype=torch.float64)
+    grad = torch.zeros(2, 64, 4096, dtype=torch.float64)
+    grad[0, 3] = torch.randn(4096, dtype=torch.float64)  # two tokens carry relevance (BERT's [CLS] carries all)
+    grad[1, 63, :7] = torch.randn(7, dtype=torch.float64)
+    result, taken = _spied_dense_transpose(grad, weight, monkeypatch)
+    assert taken == [("index_copy_", 2)]
+    assert result[0, :3].eq(0).all() and result[1, :63].eq(0).all()
+    torch.testing.assert_close(result, grad @ weight, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("nonzeros_per_row", [1, 3])
-def test_a_dense_transposed_product_of_sparse_relevance_takes_the_selected_weight_rows(nonzeros_per_row):
+def test_a_dense_transposed_product_of_few_entries_in_many_rows_sums_the_weight_rows_they_select(
+        nonzeros_per_row, monkeypatch):
     torch.manual_seed(0)
     weight = torch.randn(40000, 64, dtype=torch.float64)
-    grad = torch.zeros(2, 8, 40000, dtype=torch.float64)
-    for token in (1, 7):  # two tokens of the first example carry relevance, the rest none
-        grad[0, token, torch.randint(0, 40000, (nonzeros_per_row,))] = torch.randn(nonzeros_per_row,
-                                                                                   dtype=torch.float64)
-    calls = []
-    original = torch.Tensor.index_add_
-    try:  # the sparse form runs: one index_add_ over the selected rows
-        torch.Tensor.index_add_ = lambda self, *args: calls.append(args[1].numel()) or original(self, *args)
-        result = ops.dense_transpose(grad, weight)
-    finally:
-        torch.Tensor.index_add_ = original
-    assert calls == [2 * nonzeros_per_row]
+    grad = torch.zeros(1, 8, 40000, dtype=torch.float64)  # every token holds a few entries (one logit each)
+    for token in range(8):
+        grad[0, token, torch.randperm(40000)[:nonzeros_per_row]] = torch.randn(nonzeros_per_row, dtype=torch.float64)
+    result, taken = _spied_dense_transpose(grad, weight, monkeypatch)
+    assert taken == [("index_add_", 8 * nonzeros_per_row)]
     expected = grad @ weight
     if nonzeros_per_row == 1:  # one row of the weight, scaled: bitwise the dense product
         assert torch.equal(result, expected)
     torch.testing.assert_close(result, expected, rtol=0, atol=1e-12)
 
 
-def test_a_dense_transposed_product_of_dense_or_small_relevance_is_the_plain_product():
+def test_a_dense_transposed_product_of_dense_or_small_relevance_is_the_plain_product(monkeypatch):
     torch.manual_seed(0)
     weight, dense = torch.randn(4096, 64), torch.randn(64, 4096)
-    assert torch.equal(ops.dense_transpose(dense, weight), dense @ weight)  # nonzero everywhere
+    dense[:, ::2] = 0  # half the entries of every row nonzero: neither sparse form pays
+    result, taken = _spied_dense_transpose(dense, weight, monkeypatch)
+    assert taken == [] and torch.equal(result, dense @ weight)
     small = torch.zeros(4, 4096)
     small[0, 3] = 1.0  # sparse, but a product of 1 million multiply-adds: checking would cost more than it saves
     assert small.numel() * weight.shape[1] < ops.SPARSE_PRODUCT_SIZE
-    assert torch.equal(ops.dense_transpose(small, weight), small @ weight)
+    result, taken = _spied_dense_transpose(small, weight, monkeypatch)
+    assert taken == [] and torch.equal(result, small @ weight)
     nan = torch.zeros(64, 4096)
     nan[0, 0] = math.nan  # counted as nonzero: it reaches the result as in the dense product
-    assert torch.isnan(ops.dense_transpose(nan, weight)[0]).all()
+    assert torch.isnan(ops.dense_transpose(nan, weight)[0]).all() and ops.dense_transpose(nan, weight)[1:].eq(0).all()
 
 
 def test_the_language_model_head_of_a_llama_hands_on_relevance_through_its_sparse_form_exactly(monkeypatch):

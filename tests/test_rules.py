@@ -355,3 +355,30 @@ def test_a_rule_from_scratch_without_flags_equals_the_built_in(rule):
     mine = relprop.LRP(_relu_net(in_place=True), relprop.Composite(dense=rule)).attribute(x.clone(), target=1)
     builtin = relprop.LRP(_relu_net(in_place=True), relprop.Composite(dense=rules.Epsilon(0.25))).attribute(x, target=1)
     torch.testing.assert_close(mine, builtin, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("norm", [torch.nn.LayerNorm(6), torch.nn.GroupNorm(2, 6)], ids=["layer", "group"])
+def test_a_norm_hands_on_the_epsilon_relevance_of_its_map_with_the_standard_deviation_held_constant(norm):
+    torch.manual_seed(0)
+    norm = norm.double().eval()
+    with torch.no_grad():
+        norm.weight.normal_(), norm.bias.normal_()
+    x = torch.randn(3, 6, 4, dtype=torch.float64) if isinstance(norm, torch.nn.GroupNorm) else \
+        torch.randn(3, 4, 6, dtype=torch.float64)
+    eps = 1e-9
+    relevance = relprop.LRP(norm, relprop.Composite(epsilon=eps)).attribute(x, target=2)
+
+    # the linear map with the standard deviation a constant, from its definition, and the epsilon rule through it
+    leaf = x.clone().requires_grad_()
+    grouped = leaf.reshape(3, norm.num_groups, -1) if isinstance(norm, torch.nn.GroupNorm) else leaf
+    dims = (-1,) if isinstance(norm, torch.nn.GroupNorm) else tuple(range(-len(norm.normalized_shape), 0))
+    centred = grouped - grouped.mean(dims, keepdim=True)
+    std = torch.sqrt(grouped.detach().var(dims, unbiased=False, keepdim=True) + norm.eps)
+    scaled = (centred / std).reshape(x.shape)
+    shape = (1, -1, 1) if isinstance(norm, torch.nn.GroupNorm) else (-1,)
+    z = scaled * norm.weight.detach().reshape(shape) + norm.bias.detach().reshape(shape)
+    seed = torch.zeros_like(z)
+    seed[:, 2] = z.detach()[:, 2]  # target 2: index 2 of dimension 1 of the output, per example
+    stabilised = z.detach() + eps * torch.where(z.detach() < 0, -1.0, 1.0)
+    (grad,) = torch.autograd.grad(z, leaf, seed / stabilised)
+    torch.testing.assert_close(relevance, x * grad, rtol=0, atol=1e-12)

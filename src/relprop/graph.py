@@ -802,6 +802,24 @@ class InPlaceSumCall(AddCall):
             self._producer = None
 
 
+def _unviewed(out: Tensor, call: OpCall) -> Tensor:
+    """``out``, a view the op returned, as a tensor of its own.
+
+    A view made inside a custom Function can never be modified in place, and
+    models do (timm's NaFlexViT adds its position embedding in place to the
+    output of a dense layer, which ``F.linear`` on a 3-D input returns as a view
+    of the 2-D matrix product). A view of memory that only the op made (that
+    product) becomes a tensor over the same memory (``set_``, no copy; it keeps
+    no view relation); a view of an argument is copied, so that modifying it
+    in place never modifies the argument behind autograd's back.
+    """
+    if any(isinstance(leaf, Tensor) and torch._C._is_alias_of(out, leaf)  # type: ignore[attr-defined]
+           for leaf in call._leaves):
+        return out.clone()
+    # set_(Tensor) is documented, but missing from the type stubs
+    return torch.empty(0, dtype=out.dtype, device=out.device).set_(out)  # type: ignore[call-overload]
+
+
 class _Propagate(torch.autograd.Function):
     """Autograd node of one op call: original op forward, rule backward."""
 
@@ -813,10 +831,7 @@ class _Propagate(torch.autograd.Function):
         if call.in_place:  # the op overwrote its input, as in the plain model: this node is its history now
             ctx.mark_dirty(activations[0])
         elif out._is_view():
-            # a view made inside a custom Function can never be modified in place (F.linear on a 3-D input returns
-            # one: a matrix product viewed in the input's shape; timm's NaFlexViT adds its position embedding in
-            # place): a copy, bitwise the same
-            out = out.clone()
+            out = _unviewed(out, call)
         return out
 
     @staticmethod

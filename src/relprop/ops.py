@@ -362,33 +362,40 @@ def _conv_vjp(x: Tensor, weight: Tensor, options: dict, transposed: bool) -> Cal
     return transpose
 
 
-#: a dense layer's transposed product ``grad @ W`` looks for zeros in ``grad`` from this many multiply-adds on
-#: (one counting pass over ``grad``, well under 1% of such a product), ...
+#: a dense layer's transposed product ``grad @ W`` counts the nonzero entries of ``grad`` from this many
+#: multiply-adds on (one pass over ``grad``: well under 1% of such a product) ...
 SPARSE_PRODUCT_SIZE = 1 << 24
-#: ... and takes the rows of ``W`` that the nonzero entries select where at most this share of ``grad`` is nonzero
+#: ... and skips its zeros where at most this share of its entries is nonzero
 SPARSE_SHARE = 1 / 64
 
 
 def dense_transpose(grad: Tensor, weight: Tensor) -> Tensor:
     """The VJP of a dense layer with respect to its input, ``grad @ weight`` (``weight``: out x in features).
 
-    Relevance is often nonzero in a few entries only: explaining one logit of
-    a language-model head puts it in one entry of ``(tokens, vocabulary)``.
-    There the product is a sum of the rows of ``weight`` that the nonzero
-    entries select, scaled by them, instead of a dense product over every
-    zero; a row with one nonzero entry comes out bitwise the same, and one
-    with several differs only in the order of its sum. On a CPU only: the
-    count of nonzero entries is needed on the host, and on a GPU reading it
-    waits for every kernel queued before.
+    Relevance is often zero in most of its entries: explaining one logit of a
+    language-model head puts it in one entry of ``(tokens, vocabulary)``, and
+    a classifier that reads one token of a sequence (BERT's ``[CLS]``) hands
+    relevance to that token's row alone. There the product skips the zeros:
+    where at most half the rows of ``grad`` hold relevance, those rows are
+    multiplied alone; else the rows of ``weight`` that the nonzero entries
+    select are scaled and summed. Both equal the dense product up to the
+    order of its sums (one row of ``weight``, scaled, is bitwise the dense
+    product's row). On a CPU only: the count is needed on the host, and on a
+    GPU reading it waits for every kernel queued before.
     """
-    if grad.device.type == "cpu" and grad.numel() * weight.shape[1] >= SPARSE_PRODUCT_SIZE:
-        flat = grad.reshape(-1, grad.shape[-1])
-        if int(torch.count_nonzero(flat)) <= SPARSE_SHARE * flat.numel():  # NaN and inf count as nonzero
-            rows, columns = flat.nonzero(as_tuple=True)
-            out = flat.new_zeros(flat.shape[0], weight.shape[1])
-            out.index_add_(0, rows, flat[rows, columns].unsqueeze(1) * weight[columns])
-            return out.view(*grad.shape[:-1], weight.shape[1])
-    return grad @ weight
+    if grad.device.type != "cpu" or grad.numel() * weight.shape[1] < SPARSE_PRODUCT_SIZE:
+        return grad @ weight
+    flat = grad.reshape(-1, grad.shape[-1])
+    if int(torch.count_nonzero(flat)) > SPARSE_SHARE * flat.numel():  # NaN and inf count as nonzero
+        return grad @ weight
+    rows, columns = flat.nonzero(as_tuple=True)
+    held = rows.unique_consecutive()  # the entries come row by row
+    out = flat.new_zeros(len(flat), weight.shape[1])
+    if 2 * len(held) <= len(flat):
+        out.index_copy_(0, held, flat[held] @ weight)
+    else:
+        out.index_add_(0, rows, flat[rows, columns].unsqueeze(1) * weight[columns])
+    return out.view(*grad.shape[:-1], weight.shape[1])
 
 
 def _parametric(kind: OpKind, names: tuple[str, ...]) -> Handler:
@@ -630,12 +637,21 @@ def _add(sign: int) -> Handler:
     return handle
 
 
+def _variance(centred: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """The (biased) variance of ``centred``, an input less its mean over ``dims``: its mean square.
+
+    ``Tensor.var`` gives the same to rounding, but on a CPU it takes 20-30x as long (a transformer's
+    ``(128, 768)`` layer norm input: 1.8 ms against 50 us).
+    """
+    return centred.square().mean(dims, keepdim=True)
+
+
 def _layer_norm(input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
                 bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """Layer norm with the standard deviation held constant; the mean subtraction stays linear."""
     dims = tuple(range(-len(normalized_shape), 0))
     centred = input - input.mean(dims, keepdim=True)
-    std = torch.sqrt(input.detach().var(dims, unbiased=False, keepdim=True) + eps)
+    std = torch.sqrt(_variance(centred.detach(), dims) + eps)
     out = centred / std
     if weight is not None:
         out = out * weight
@@ -647,7 +663,7 @@ def _group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bi
     """Group norm with the standard deviation held constant."""
     grouped = input.reshape(input.shape[0], num_groups, -1)
     centred = grouped - grouped.mean(-1, keepdim=True)
-    std = torch.sqrt(grouped.detach().var(-1, unbiased=False, keepdim=True) + eps)
+    std = torch.sqrt(_variance(centred.detach(), (-1,)) + eps)
     out = (centred / std).reshape(input.shape)
     shape = (1, -1) + (1,) * (input.dim() - 2)
     if weight is not None:
