@@ -85,8 +85,15 @@ def save(path: str, only: list[str] | None) -> None:
     torch.save(results, path)
 
 
+def _difference(old: list[Tensor], new: list[Tensor]) -> float:
+    """The largest absolute difference of two runs' relevances, relative to the largest absolute relevance."""
+    return max(float((x.double() - y.double()).abs().max() / x.double().abs().max().clamp(min=1e-300))
+               for x, y in zip(old, new))
+
+
 def compare(old_path: str, new_path: str) -> int:
-    """Print a table of bitwise equality per (model, preset); 1 if any pair differs or is missing, else 0."""
+    """Print a table of bitwise equality per (model, preset), with the relative difference of a pair that differs
+    (:func:`_difference`); 1 if any pair differs or is missing, else 0."""
     old, new = torch.load(old_path), torch.load(new_path)
     failures = 0
     print(f"| model | {' | '.join(PRESETS)} |")
@@ -97,10 +104,12 @@ def compare(old_path: str, new_path: str) -> int:
         for preset in PRESETS:
             key = f"{model} {preset}"
             a, b = old.get(key), new.get(key)
-            equal = (a is not None and b is not None and len(a) == len(b)
-                     and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b)))
+            comparable = (a is not None and b is not None and len(a) == len(b)
+                          and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b)))
+            equal = comparable and all(torch.equal(x, y) for x, y in zip(a, b))
             failures += not equal
-            cells.append("equal" if equal else "missing" if a is None or b is None else "DIFFERS")
+            cells.append("equal" if equal else f"DIFFERS ({_difference(a, b):.1e})" if comparable else
+                         "missing" if a is None or b is None else "DIFFERS (shape or dtype)")
         print(f"| {model} | {' | '.join(cells)} |")
     print(f"{failures} of {len(models) * len(PRESETS)} pairs differ or are missing")
     return 1 if failures else 0
