@@ -813,8 +813,9 @@ def _unviewed(out: Tensor, call: OpCall) -> Tensor:
     no view relation); a view of an argument is copied, so that modifying it
     in place never modifies the argument behind autograd's back.
     """
-    if any(isinstance(leaf, Tensor) and torch._C._is_alias_of(out, leaf)  # type: ignore[attr-defined]
-           for leaf in call._leaves):
+    if out.is_conj() or out.is_neg() or any(isinstance(leaf, Tensor)  # lazy conjugates: set_ would drop the flag
+                                            and torch._C._is_alias_of(out, leaf)  # type: ignore[attr-defined]
+                                            for leaf in call._leaves):
         return out.clone()
     # set_(Tensor) is documented, but missing from the type stubs
     return torch.empty(0, dtype=out.dtype, device=out.device).set_(out)  # type: ignore[call-overload]
