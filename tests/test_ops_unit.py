@@ -261,3 +261,22 @@ def test_the_language_model_head_of_a_llama_hands_on_relevance_through_its_spars
     dense = lrp.attribute(ids, target=(-1, 42))
     assert sparse.abs().sum() > 0
     torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("rule", [relprop.rules.Epsilon(1e-6), relprop.rules.ZPlus(), relprop.rules.AlphaBeta(2, 1),
+                                  relprop.rules.Gamma(0.25), relprop.rules.Flat()], ids=repr)
+def test_every_dense_rule_takes_the_sparse_transposed_product_to_float64_rounding(rule, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 40000)).double()
+    x = torch.randn(3, 64, dtype=torch.float64)  # three examples, one logit each: 3 of 120000 entries nonzero
+    lrp = relprop.LRP(model.eval(), relprop.Composite(dense=rule))
+    sums = []
+    original = torch.Tensor.index_add_
+    monkeypatch.setattr(torch.Tensor, "index_add_", lambda self, *args: sums.append(args[1].numel())
+                        or original(self, *args))
+    sparse = lrp.attribute(x, target=[5, 17, 39999])
+    assert sums and all(count == 3 for count in sums)  # the head's products: the 3 weight rows the logits select
+    monkeypatch.setattr(ops, "SPARSE_PRODUCT_SIZE", 1 << 62)
+    dense = lrp.attribute(x, target=[5, 17, 39999])
+    assert dense.abs().sum() > 0
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-12)
