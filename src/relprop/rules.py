@@ -88,7 +88,7 @@ def inverse_denominator(z: Tensor, epsilon: float, in_place: bool = False) -> Te
         return z.add_(epsilon).reciprocal_()
     # copysign(eps, 0.0) = +eps; the rare -0.0 gets -eps, the same magnitude. One new tensor, written in place:
     # on large tensors every fresh allocation costs page faults
-    return torch.copysign(torch.tensor(epsilon, dtype=z.dtype, device=z.device), z).add_(z).reciprocal_()
+    return torch.copysign(z.new_full((), epsilon), z).add_(z).reciprocal_()
 
 
 class Rule(Generic[C_contra]):
