@@ -209,17 +209,3 @@ def test_a_view_an_op_returns_becomes_a_tensor_of_its_own_and_a_copy_where_it_vi
     assert not copied._is_view() and copied.data_ptr() != of_argument.data_ptr()
     assert torch.equal(copied, of_argument)
 
-
-def test_the_guard_sums_a_large_relevance_in_absolute_value_slice_by_slice_through_one_buffer():
-    from relprop import engine
-
-    session = Session(nn.Identity(), Composite())
-    large = torch.randn(3 * engine.ABSOLUTE_SUM_SLICE + 5, dtype=torch.float64)  # an uneven last slice
-    torch.testing.assert_close(session._absolute_sum(large), large.abs().sum(), rtol=1e-12, atol=0)
-    buffer = session._slices[torch.float64]
-    strided = large[::2]  # not contiguous: abs() as it is
-    torch.testing.assert_close(session._absolute_sum(strided), strided.abs().sum(), rtol=1e-12, atol=0)
-    session._absolute_sum(-large)
-    assert session._slices[torch.float64] is buffer and buffer.numel() == engine.ABSOLUTE_SUM_SLICE
-    small = torch.randn(7)
-    assert session._absolute_sum(small) == small.abs().sum() and torch.float32 not in session._slices
