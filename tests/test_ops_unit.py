@@ -193,14 +193,20 @@ def test_a_constant_matrix_on_the_left_stays_a_linear_map_of_the_sum_kind():
     assert call.kind == OpKind.SUM and dense.kind == OpKind.DENSE
 
 
-def _spied_dense_transpose(grad, weight, monkeypatch):
-    """``ops.dense_transpose(grad, weight)`` and the sparse forms it took (``index_copy_``: rows; ``index_add_``:
-    entries), each with the number of rows it wrote."""
+def _sparse_forms(monkeypatch):
+    """A list that records each sparse form ``ops.dense_transpose`` takes from now on (``index_copy_``: rows;
+    ``index_add_``: entries), with the number of rows it writes."""
     taken = []
     for name in ("index_copy_", "index_add_"):
         original = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, dim, index, source, *args, name=name, original=original:
                             taken.append((name, index.numel())) or original(self, dim, index, source, *args))
+    return taken
+
+
+def _spied_dense_transpose(grad, weight, monkeypatch):
+    """``ops.dense_transpose(grad, weight)`` and the sparse forms it took (:func:`_sparse_forms`)."""
+    taken = _sparse_forms(monkeypatch)
     return ops.dense_transpose(grad, weight), taken
 
 
@@ -270,12 +276,10 @@ def test_every_dense_rule_takes_the_sparse_transposed_product_to_float64_roundin
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 40000)).double()
     x = torch.randn(3, 64, dtype=torch.float64)  # three examples, one logit each: 3 of 120000 entries nonzero
     lrp = relprop.LRP(model.eval(), relprop.Composite(dense=rule))
-    sums = []
-    original = torch.Tensor.index_add_
-    monkeypatch.setattr(torch.Tensor, "index_add_", lambda self, *args: sums.append(args[1].numel())
-                        or original(self, *args))
+    taken = _sparse_forms(monkeypatch)
     sparse = lrp.attribute(x, target=[5, 17, 39999])
-    assert sums and all(count == 3 for count in sums)  # the head's products: the 3 weight rows the logits select
+    # the head's products: the 3 weight rows the logits select, summed (each example's row holds relevance)
+    assert taken and all(form == ("index_add_", 3) for form in taken)
     monkeypatch.setattr(ops, "SPARSE_PRODUCT_SIZE", 1 << 62)
     dense = lrp.attribute(x, target=[5, 17, 39999])
     assert dense.abs().sum() > 0
