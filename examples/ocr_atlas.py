@@ -11,7 +11,7 @@ outputs, and an atlas of them, would depend on which words share a batch; its co
 ranked here, are float in both builds.
 
 The top 8 reference samples of every channel of two layers of the VGG feature extractor, by relevance and by
-activation (``relprop.concepts.reference_samples``, resumable in ``OUT/run``):
+activation (``relprop.workflows.concepts.reference_samples``, resumable in ``OUT/run``):
 
 - ``FeatureExtraction.ConvNet.9``: the ReLU after the fourth convolution, 128 channels of 16 x 80 (a receptive
   field of 26 x 26 pixels: strokes and parts of letters);
@@ -36,7 +36,7 @@ from PIL import Image
 from torch import Tensor
 
 from relprop import atlas
-from relprop.concepts import reference_samples
+from relprop.workflows.concepts import reference_samples
 
 LAYERS = ["recognizer.FeatureExtraction.ConvNet.9", "recognizer.FeatureExtraction.ConvNet.16"]
 #: the width every word image is padded to (easyocr pads a batch to its widest word; 7 of the 472 are wider and

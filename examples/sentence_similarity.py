@@ -33,7 +33,8 @@ import torch
 from torch import Tensor, nn
 
 import relprop
-from relprop import pairplot, viz
+from relprop import viz
+from relprop.viz import pairplot
 
 #: Sentence pairs written for this example and its test (paraphrases, related and unrelated pairs).
 PAIRS = [

@@ -6,7 +6,7 @@ pixel with 4 windows along a dimension at one parity and 3 at the other, its 3x3
 plain rules hand relevance on along those windows, and the heatmap shows a lattice. ``rules.SmoothStride``
 propagates each strided convolution and max pool as its stride-1 form followed by the average of each stride x
 stride block, which covers every pixel alike. This script explains ResNet50 on the pictures in examples/pictures
-both ways and prints the checkerboard share (``relprop.evaluate.checkerboard``) of the relevance at the outputs of
+both ways and prints the checkerboard share (``relprop.workflows.evaluate.checkerboard``) of the relevance at the outputs of
 the stages that the shortcuts read (period 2: every other pixel) and of the input heatmap (period 32, which holds
 every lattice of the network's strided layers), then the input heatmap's share under each ResNet-friendly preset,
 and draws the heatmaps side by side.
@@ -28,7 +28,7 @@ from PIL import Image
 from torch import Tensor, nn
 
 import relprop
-from relprop.evaluate import checkerboard
+from relprop.workflows.evaluate import checkerboard
 from relprop.viz import save_heatmap_grid
 
 PICTURES = Path(__file__).parent / "pictures"

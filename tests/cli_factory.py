@@ -4,7 +4,7 @@ import time
 import torch
 from torch import nn
 
-from relprop.demo import SmallCNN
+from relprop.workflows.mnist import SmallCNN
 
 
 def small_cnn() -> nn.Module:

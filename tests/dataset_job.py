@@ -2,7 +2,7 @@
 [--concepts]``.
 
 Run it directly (one process) or under ``torchrun`` (several). With ``--concepts`` it runs
-``relprop.concepts.reference_samples`` into OUT instead of ``explain_dataset``. With ``--wrap``
+``relprop.workflows.concepts.reference_samples`` into OUT instead of ``explain_dataset``. With ``--wrap``
 the model is wrapped in DistributedDataParallel, or its layers and itself are
 sharded with FSDP2's ``fully_shard``; the job then checks that the model is in
 training mode, and sharded, as before after the run.
@@ -13,8 +13,8 @@ import time
 import torch
 from torch import nn
 
-from relprop.concepts import reference_samples
-from relprop.dataset import explain_dataset
+from relprop.workflows.concepts import reference_samples
+from relprop.workflows.dataset import explain_dataset
 
 
 class Noise(torch.utils.data.Dataset):

@@ -10,7 +10,7 @@ from torch import nn
 import relprop
 from relprop import rules
 from relprop.composites import Composite, EpsilonPlusFlat
-from relprop.evaluate import checkerboard
+from relprop.workflows.evaluate import checkerboard
 
 
 def _lrp(model: nn.Module, x: torch.Tensor, target: object, composite: Composite) -> torch.Tensor:

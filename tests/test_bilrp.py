@@ -161,7 +161,7 @@ def test_pair_pictures_show_the_strongest_pairs(tmp_path):
     pytest.importorskip("matplotlib")
     from PIL import Image
 
-    from relprop import pairplot
+    from relprop.viz import pairplot
 
     pairs = torch.zeros(3, 4, dtype=torch.float64)
     pairs[1, 2], pairs[0, 3], pairs[2, 0] = 2.0, -3.0, 0.5

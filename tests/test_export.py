@@ -4,7 +4,7 @@ import torch
 import torchvision
 
 from relprop import LRP
-from relprop.demo import SmallCNN
+from relprop.workflows.mnist import SmallCNN
 
 
 def exported(model, *inputs):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import relprop
-from relprop.ops import _bind
+from relprop._core.signatures import bind as _bind
 from test_model_safety import assert_untouched, model, snapshot
 
 NET = model()

@@ -13,8 +13,9 @@ from conftest import randomize_batch_norms
 from torch import nn
 
 import relprop
-from relprop import kernels, rules
-from relprop.demo import SmallCNN
+from relprop import rules
+from relprop.rules import kernels
+from relprop.workflows.mnist import SmallCNN
 
 LAYERS = {
     "linear": (lambda bias: nn.Linear(6, 4, bias=bias), (6,)),

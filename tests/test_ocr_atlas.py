@@ -15,7 +15,7 @@ import ocr
 import ocr_atlas
 
 import relprop
-from relprop.concepts import reference_samples
+from relprop.workflows.concepts import reference_samples
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:torch.*", "ignore::DeprecationWarning")
 
@@ -170,7 +170,7 @@ def test_glocal_gives_a_wide_input_a_wide_first_column(tmp_path, toy, width, fir
     """The figure is 1.3 inches per column at 110 dpi; the first column is the input's aspect, from 1 to count."""
     from PIL import Image
 
-    from relprop.atlas import render_glocal
+    from relprop.viz.atlas import render_glocal
 
     model, _, _ = toy
     images = torch.randn(6, 1, 8, width, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

@@ -7,19 +7,21 @@ import torch.nn.functional as F
 
 import relprop
 from relprop import ops
-from relprop.contract import OpKind
-from relprop.graph import AddCall, OpCall
+from relprop._core import registry
+from relprop.ops import linear
+from relprop.rules import OpKind
+from relprop.engine import AddCall, OpCall
 
 
 def test_registering_a_name_this_torch_lacks_raises_and_names_it():
     with pytest.raises(AttributeError, match=r"torch\.no_such_op, which torch .* does not have"):
-        ops._lookup(torch, "relu no_such_op")
+        registry.lookup(torch, "relu no_such_op")
     with pytest.raises(AttributeError, match=r"Tensor\.cat"):  # torch.cat has no Tensor method
-        ops._torch_and_tensor("cat")
+        registry.torch_and_tensor("cat")
 
 
 def test_names_of_some_torch_versions_only_are_registered_where_they_exist():
-    for name in ops._OPTIONAL:
+    for name in registry.OPTIONAL:
         namespace, _, attribute = name.rpartition(".")
         func = getattr({"torch": torch, "torch.nn.functional": F}[namespace], attribute, None)
         assert func is None or func in ops.HANDLERS, name
@@ -246,7 +248,7 @@ def test_a_dense_transposed_product_of_dense_or_small_relevance_is_the_plain_pro
     assert taken == [] and torch.equal(result, dense @ weight)
     small = torch.zeros(4, 4096)
     small[0, 3] = 1.0  # sparse, but a product of 1 million multiply-adds: checking would cost more than it saves
-    assert small.numel() * weight.shape[1] < ops.SPARSE_PRODUCT_SIZE
+    assert small.numel() * weight.shape[1] < linear.SPARSE_PRODUCT_SIZE
     result, taken = _spied_dense_transpose(small, weight, monkeypatch)
     assert taken == [] and torch.equal(result, small @ weight)
     nan = torch.zeros(64, 4096)
@@ -263,7 +265,7 @@ def test_the_language_model_head_of_a_llama_hands_on_relevance_through_its_spars
     ids = torch.randint(0, 32000, (1, 12))
     lrp = relprop.LRP(model, "attnlrp")
     sparse = lrp.attribute(ids, target=(-1, 42))
-    monkeypatch.setattr(ops, "SPARSE_PRODUCT_SIZE", 1 << 62)  # every transposed product dense
+    monkeypatch.setattr(linear, "SPARSE_PRODUCT_SIZE", 1 << 62)  # every transposed product dense
     dense = lrp.attribute(ids, target=(-1, 42))
     assert sparse.abs().sum() > 0
     torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-12)
@@ -280,7 +282,7 @@ def test_every_dense_rule_takes_the_sparse_transposed_product_to_float64_roundin
     sparse = lrp.attribute(x, target=[5, 17, 39999])
     # the head's products: the 3 weight rows the logits select, summed (each example's row holds relevance)
     assert taken and all(form == ("index_add_", 3) for form in taken)
-    monkeypatch.setattr(ops, "SPARSE_PRODUCT_SIZE", 1 << 62)
+    monkeypatch.setattr(linear, "SPARSE_PRODUCT_SIZE", 1 << 62)
     dense = lrp.attribute(x, target=[5, 17, 39999])
     assert dense.abs().sum() > 0
     torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-12)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import relprop
-from relprop.quantized import dequantized_weights
+from relprop.ops.quantized import dequantized_weights
 
 EXACT = relprop.composites.Epsilon(epsilon=0.0)
 

@@ -152,16 +152,16 @@ def test_layers_share_one_buffer_for_their_positive_weights(preset, monkeypatch)
     # AlphaBeta's W- written over W+), the later would overwrite the earlier, and the relevance would change
     model, x = net().double(), torch.randn(2, 3, 16, 16, dtype=torch.float64)
     lrp = relprop.LRP(model, relprop.composites.get(preset, **({"low": -3.0, "high": 3.0} if "box" in preset else {})))
-    like, pointers = relprop.graph.Workspace.like, []
+    like, pointers = relprop.engine.Workspace.like, []
 
     def recorded(workspace, tensor, shape=None):
         buffer = like(workspace, tensor, shape)
         pointers.append(buffer.data_ptr())
         return buffer
 
-    monkeypatch.setattr(relprop.graph.Workspace, "like", recorded)
+    monkeypatch.setattr(relprop.engine.Workspace, "like", recorded)
     shared = lrp.attribute(x, target=1)
-    monkeypatch.setattr(relprop.graph.Workspace, "like",
+    monkeypatch.setattr(relprop.engine.Workspace, "like",
                         lambda workspace, tensor, shape=None: tensor.new_empty(tensor.shape if shape is None else shape))
     fresh = lrp.attribute(x, target=1)
     assert len(pointers) >= 3 and len(set(pointers)) <= 2  # four convolutions; the buffer grows once, at most
@@ -169,7 +169,7 @@ def test_layers_share_one_buffer_for_their_positive_weights(preset, monkeypatch)
 
 
 def test_workspace_grows_without_overwriting_a_tensor_still_in_use():
-    workspace = relprop.graph.Workspace()
+    workspace = relprop.engine.Workspace()
     small = workspace.like(torch.empty(2)).fill_(1.0)
     large = workspace.like(torch.empty(3, 3)).fill_(2.0)
     assert small.tolist() == [1.0, 1.0] and large.shape == (3, 3)

@@ -125,14 +125,14 @@ def test_rule_matches_matrix_form(layer_name, rule_name, bias, sign, monkeypatch
     R = torch.randn_like(out)
     # z+ and alpha-beta on a signed input stack x+ and x- side by side, and W+ and W- to match: one product each
     # way instead of two; a grouped convolution's weight does not allow that
-    stacked, stack_signs = [], relprop.graph.ParametricCall.stack_signs
+    stacked, stack_signs = [], relprop.engine.ParametricCall.stack_signs
 
     def recorded(call, inputs):
         found = stack_signs(call, inputs)
         stacked.append(found is not None)
         return found
 
-    monkeypatch.setattr(relprop.graph.ParametricCall, "stack_signs", recorded)
+    monkeypatch.setattr(relprop.engine.ParametricCall, "stack_signs", recorded)
     attributed = relprop.LRP(layer, relprop.Composite(conv=rule, dense=rule)).attribute(x, target=R)
     signed_split = isinstance(rule, (rules.ZPlus, rules.AlphaBeta)) and sign == "signed"
     assert stacked == ([layer_name != "grouped-conv2d"] if signed_split else [])
@@ -225,14 +225,14 @@ def test_zbox_matches_matrix_form(layer_name, bounds, monkeypatch):
     rule = rules.ZBox(low, high, stabilizer=1e-3)
     # bounds the same at every position of a channel are folded into one weight, l W+ + h W-, but not into a
     # grouped convolution's
-    folded, bound_weight = [], relprop.kernels._Box._bound_weight
+    folded, bound_weight = [], relprop.rules.kernels._Box._bound_weight
 
     def recorded(*args):
         weight = bound_weight(*args)
         folded.append(weight is not None)
         return weight
 
-    monkeypatch.setattr(relprop.kernels._Box, "_bound_weight", recorded)
+    monkeypatch.setattr(relprop.rules.kernels._Box, "_bound_weight", recorded)
     R = torch.randn_like(layer(x))
     attributed = relprop.LRP(layer, relprop.Composite(conv=rule, dense=rule)).attribute(x, target=R)
     # (a dense layer's positions are its input channels)

@@ -6,9 +6,9 @@ from torch import nn
 
 from relprop.composites import Composite
 from relprop.engine import Session
-from relprop.contract import OpKind
-from relprop.graph import OpCall
-from relprop.tracking import AliasTracker
+from relprop.rules import OpKind
+from relprop.engine import OpCall
+from relprop.engine import AliasTracker
 
 
 def _run(model, x, composite=None):

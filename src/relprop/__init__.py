@@ -8,29 +8,41 @@ Quick start
 
 Modules: :mod:`relprop.rules` (how relevance crosses one op),
 :mod:`relprop.composites` (which op gets which rule, presets),
-:mod:`relprop.engine` (interception of torch functions),
-:mod:`relprop.attribution` (this public API), :mod:`relprop.layer` (relevance
-inside the model, concepts), :mod:`relprop.audit` (a per-op account),
-:mod:`relprop.methods` (gradient methods for comparison, and DeepLift on the
-engine: :mod:`relprop.deeplift`). Every attribution
+:mod:`relprop.ops` (op families), :mod:`relprop.engine` (interception of
+torch functions), :mod:`relprop.methods` (LRP and this public API, relevance
+inside the model, the audit, BiLRP, DeepLift and gradient methods for
+comparison), :mod:`relprop.workflows` (datasets, concepts, evaluation),
+:mod:`relprop.viz` (pictures) and :mod:`relprop.cli` (the command line). Every attribution
 class follows captum's ``Attribution`` protocol, so captum's ``NoiseTunnel``
 and metrics take it.
 """
-from . import composites, kernels, methods, rules
-from .attribution import LRP, Attribution, Contrastive, convergence_delta, model_logits, output_relevance
-from .audit import Audit, audit
-from .bilrp import BiLRP
-from .composites import Composite
-from .dataset import explain_dataset
-from .engine import ConservationWarning, RuleError, UnhandledOpWarning, UnsupportedOpError
-from .layer import LayerLRP, ModuleRelevance, module_relevance
-from .methods import DeepLift, DeepLiftShap, LayerDeepLift
+from relprop import composites, methods, ops, rules
+from relprop._core.errors import ConservationWarning, RuleError, UnhandledOpWarning, UnsupportedOpError
+from relprop.composites import Composite
+from relprop.methods import (
+                             LRP,
+                             Attribution,
+                             Audit,
+                             BiLRP,
+                             Contrastive,
+                             DeepLift,
+                             DeepLiftShap,
+                             LayerDeepLift,
+                             LayerLRP,
+                             ModuleRelevance,
+                             audit,
+                             convergence_delta,
+                             model_logits,
+                             module_relevance,
+                             output_relevance,
+)
+from relprop.workflows.dataset import explain_dataset
 
 __all__ = [
     "LRP", "LayerLRP", "Contrastive", "explain_dataset", "module_relevance", "ModuleRelevance", "audit", "Audit",
     "Composite", "composites", "rules", "methods", "Attribution", "output_relevance", "convergence_delta",
     "model_logits",
     "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning", "BiLRP", "DeepLift",
-    "DeepLiftShap", "LayerDeepLift",
+    "DeepLiftShap", "LayerDeepLift", "ops",
 ]
 __version__ = "0.1.0"

@@ -44,17 +44,15 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor, nn
 
-from . import rules
-from .graph import OpKind
-from .ops import HANDLERS, ROUTING_HANDLERS, op_name
-from .rules import Rule
-
-if TYPE_CHECKING:
-    from .graph import OpCall
+from relprop import rules
+from relprop._core.kinds import OpKind
+from relprop._core.registry import HANDLERS, ROUTING_HANDLERS, op_name
+from relprop._core.rule import Rule
+from relprop.engine.calls import OpCall
 
 __all__ = [
     "Composite", "Epsilon", "EpsilonPlus", "EpsilonPlusFlat", "EpsilonAlpha2Beta1", "EpsilonAlpha2Beta1Flat",

@@ -1,0 +1,128 @@
+"""The base class of rules, and the two rules the engine itself needs (:class:`Pass`, :class:`Gradient`).
+
+The other rules live in :mod:`relprop.rules`, which exports these too.
+"""
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import Tensor
+
+from relprop._core.contract import Call
+from relprop._core.kinds import OpKind
+from relprop._core.tensors import sum_to
+
+#: the view of an op call that a rule reads (:mod:`relprop.contract`)
+C_contra = TypeVar("C_contra", bound=Call, contravariant=True)
+
+
+class Rule(Generic[C_contra]):
+    """Base class of all rules.
+
+    Subclasses set :attr:`kinds` (the op kinds they apply to) and implement
+    :meth:`propagate`. ``C_contra`` is the view of the op call the rule reads
+    (:mod:`relprop.contract`): ``Rule[ParametricView]`` for a rule of
+    convolutions and dense layers.
+
+    The flags below tell the engine what to keep for the rule. Each defaults
+    to the safe value, so that a rule that sets none is correct; setting one
+    only saves memory or time.
+    """
+
+    #: op kinds this rule applies to
+    kinds: frozenset[str] = frozenset()
+    #: whether :meth:`propagate` calls ``call.vjp``: the engine then keeps the op's autograd graph from the forward
+    #: pass (without it, ``call.vjp`` runs the op once more on its inputs)
+    needs_vjp: bool = False
+    #: whether :meth:`propagate` reads ``call.output``; False lets the engine drop the output after the forward pass
+    needs_output: bool = True
+    #: whether :meth:`prepare` reads ``call.output``; True wherever a subclass overrides :meth:`prepare`
+    prepares: bool = False
+    #: whether an input entry that is 0 gets relevance 0, whatever relevance arrives (``R_i = x_i * c_i``). Only
+    #: then may the op that computed the input read ``relu(z)`` for ``z`` after an in-place ReLU overwrote it
+    #: (the engine computes ``z`` again otherwise). False unless a rule says so.
+    zero_for_zero_input: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "prepare" in vars(cls) and "prepares" not in vars(cls):  # a rule that prepares reads the output there
+            cls.prepares = True
+
+    def accepts(self, call: C_contra) -> bool:
+        """Whether this rule can propagate through ``call`` (a call of any kind)."""
+        return call.kind in self.kinds
+
+    def conserves(self, call: C_contra) -> bool:
+        """Whether the relevance this rule hands to ``call``'s inputs adds up to what arrived, up to a stabiliser.
+
+        Such a rule hands on ``sum_k R_k z_k / (z_k + eps)``, never more than
+        ``sum_k |R_k|``; the engine reports an op whose rule says so but hands on
+        more (:class:`~relprop.engine.ConservationWarning`). False unless a rule
+        says so: biases and bounds take or give relevance by design.
+        """
+        return False
+
+    def prepare(self, call: C_contra) -> Tensor | None:
+        """Precompute from ``call.output`` what :meth:`propagate` needs; it reads that as ``call.prepared``.
+
+        Called once per call, at the start of the backward pass, or earlier if
+        the output is about to be modified in place. The op call keeps what this
+        returns until its backward pass is done.
+        """
+        return None
+
+    def propagate(self, call: C_contra, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        """Return the relevance of each of ``call.inputs`` given the output relevance."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({params})"
+
+
+class Pass(Rule[Call]):
+    """Pass the output relevance unchanged to the op's single activation input.
+
+    Applies to any op with one activation input whose shape the output can be
+    summed back to (elementwise ops, scaling by constants); it cannot apply
+    to a shape-changing op such as a convolution with other channels.
+    """
+
+    needs_output = False
+
+    #: every kind but the ones with several activation inputs or without a rule (where passing it on is a guess)
+    kinds = frozenset(OpKind) - {OpKind.ATTENTION, OpKind.UNKNOWN}
+
+    def accepts(self, call: Call) -> bool:
+        if call.kind not in self.kinds or len(call.inputs) != 1:
+            return False
+        return broadcasts_to(call.inputs[0].shape, call.output.shape)
+
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        return (sum_to(relevance, call.inputs[0].shape),)
+
+    def conserves(self, call: Call) -> bool:
+        return True
+
+
+def broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+
+
+class Gradient(Rule[Call]):
+    """The op's plain gradient applied to the relevance.
+
+    Exact for ops that only move values (max pooling is winner-take-all this
+    way); for other ops relevance is not what comes out. The engine uses it,
+    with a warning, for ops it has no rule for.
+    """
+
+    kinds = frozenset(OpKind)
+    needs_vjp = True
+    needs_output = False
+
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        return call.vjp(relevance)

@@ -1,0 +1,53 @@
+"""Arguments of torch functions bound to their parameter names, cheaply (this runs for every op)."""
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+
+@functools.cache
+def _signature(func: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+
+
+@functools.cache
+def _parameters(func: Callable) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str], dict[str, Any]] | None:
+    """``func``'s parameter names in order, the positional ones, the keyword ones and the defaults.
+
+    None if ``func`` takes ``*args`` or ``**kwargs``.
+    """
+    parameters = _signature(func).parameters.values()  # type: ignore[union-attr]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        return None
+    return (tuple(p.name for p in parameters),
+            tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)),
+            frozenset(p.name for p in parameters if p.kind != p.POSITIONAL_ONLY),
+            {p.name: p.default for p in parameters if p.default is not p.empty})
+
+
+def bind(func: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``func``'s arguments by name in the order of its parameters, defaults included."""
+    found = _parameters(func)
+    if found is not None and len(args) <= len(found[1]):
+        # the common case bound by hand: Signature.bind costs more than many a small op it serves
+        names, positional, keywords, defaults = found
+        given = positional[:len(args)]
+        if keywords.issuperset(kwargs) and kwargs.keys().isdisjoint(given):
+            values = {**defaults, **dict(zip(given, args)), **kwargs}
+            if len(values) == len(names):  # every parameter has a value
+                return {name: values[name] for name in names}
+    bound = _signature(func).bind(*args, **kwargs)  # type: ignore[union-attr]  # raises TypeError on bad arguments
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def bind_builtin(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Arguments of a builtin (which has no signature to bind with) by name."""
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound

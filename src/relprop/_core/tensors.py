@@ -1,0 +1,84 @@
+"""Tensor utilities: what counts as an activation, and gradients summed back to a shape."""
+from __future__ import annotations
+
+from typing import Any, TypeGuard
+
+import torch
+from torch import Tensor
+
+_Parameter = torch.nn.Parameter  # looked up once: `torch.nn.Parameter` costs three attribute lookups per call
+
+
+def is_activation(value: Any) -> TypeGuard[Tensor]:
+    """An activation: a tensor derived from a model input. Parameters are constants."""
+    # isinstance(value, Parameter) in two cheap steps (it runs for every argument of every op): the type, and
+    # the flag by which Parameter's own instance check also accepts tensor subclasses
+    return (isinstance(value, Tensor) and value.requires_grad and not issubclass(type(value), _Parameter)
+            and not getattr(value, "_is_param", False))
+
+
+_CONTAINERS = (list, tuple, dict)
+
+
+def holds_activation(value: Any) -> bool:
+    """Whether a list, tuple or dict holds an activation, at any depth."""
+    for item in value.values() if isinstance(value, dict) else value:
+        if is_activation(item) if isinstance(item, Tensor) else (
+                isinstance(item, _CONTAINERS) and holds_activation(item)):
+            return True
+    return False
+
+
+def positional_activations(args: tuple) -> tuple[list, list[int] | None]:
+    """``args`` as a list, and the indices of the activations among them; None if a list or tuple holds one."""
+    slots = []
+    for index, value in enumerate(args):
+        if isinstance(value, Tensor):
+            if is_activation(value):
+                slots.append(index)
+        elif isinstance(value, _CONTAINERS) and holds_activation(value):
+            return list(args), None
+    return list(args), slots
+
+
+def sum_to(tensor: Tensor, shape: torch.Size) -> Tensor:
+    """``tensor`` summed over the dimensions along which ``shape`` was broadcast (itself where the shapes match)."""
+    return tensor if tensor.shape == shape else tensor.sum_to_size(shape)
+
+
+def has_activation(args: tuple, kwargs: dict) -> bool:
+    """Whether any argument (or element of a list argument) is an activation."""
+    for value in (*args, *kwargs.values()):
+        if is_activation(value):
+            return True
+        if isinstance(value, (list, tuple)) and any(is_activation(v) for v in value):
+            return True
+    return False
+
+
+def has_parameter(args: tuple, kwargs: dict) -> bool:
+    """Whether any argument (or element of a list argument) is a tensor that requires grad (a parameter)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor) and value.requires_grad:
+            return True
+        if isinstance(value, (list, tuple)) and any(isinstance(v, Tensor) and v.requires_grad for v in value):
+            return True
+    return False
+
+
+def constant(value: Any) -> Any:
+    """``value`` as a constant of an op: activations detached, parameters and others as they are."""
+    return value.detach() if is_activation(value) else value
+
+
+def plain_binary(args: tuple) -> bool:
+    """Whether ``args`` are two tensors of one floating dtype and device, or such a tensor and a real number.
+
+    For those, autograd's VJP of a sum or product is the closed form, bitwise: it casts no gradient to
+    another dtype or device.
+    """
+    if len(args) != 2 or not all(isinstance(a, Tensor) or type(a) in (int, float) for a in args):
+        return False
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    return (bool(tensors) and tensors[0].is_floating_point()
+            and all(t.dtype == tensors[0].dtype and t.device == tensors[0].device for t in tensors))

@@ -1,0 +1,416 @@
+"""Op calls: one operation of the forward pass, as its rule sees it.
+
+Every intercepted operation becomes one :class:`OpCall` (or a subclass) and
+one node of the autograd graph (:mod:`.nodes`). Rules that need the op's
+own vector-Jacobian product (epsilon-type rules) get it from a small private
+autograd graph recorded during the forward pass, so nothing is re-run in the
+backward pass.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from relprop._core.kinds import OpKind
+from relprop._core.rule import Rule
+from relprop._core.tensors import holds_activation, is_activation, positional_activations, sum_to
+
+
+def _storage_count(tensor: Tensor) -> int:
+    """References to ``tensor``'s memory: from tensors (views and aliases included) and from storage objects.
+
+    It asks by address: ``tensor.untyped_storage()`` would make a storage
+    object that lives as long as the memory and counts as a reference, and
+    autograd then adds every gradient that arrives after a relevance in that
+    memory into a new tensor instead of into it.
+    """
+    return torch._C._storage_Use_Count(torch._C._storage_address(tensor))  # type: ignore[attr-defined]
+
+
+@functools.cache
+def _lone_storage_count() -> int | None:
+    """:func:`_storage_count` of a tensor that nothing else references, as this PyTorch version counts it.
+
+    None if PyTorch does not expose the count of a storage's references.
+    """
+    if not (hasattr(torch._C, "_storage_Use_Count") and hasattr(torch._C, "_storage_address")):
+        return None
+    return _storage_count(torch.empty(1))
+
+
+#: op kinds whose autograd backward saves inputs and parameters only, never the op's output (a ``tanh``, a softmax
+#: or a fused attention saves its output)
+_SAVES_NO_OUTPUT = frozenset({OpKind.CONV, OpKind.DENSE, OpKind.BATCHNORM, OpKind.SUM, OpKind.NORM, OpKind.PRODUCT,
+                              OpKind.MAXPOOL})
+
+
+class OpCall:
+    """One operation of the forward pass, as its rule sees it.
+
+    Parameters
+    ----------
+    kind : OpKind
+        The op family.
+    func : callable
+        The torch function that computes the output.
+    args, kwargs :
+        Its arguments. Tensors that require grad are the activation inputs,
+        everything else is a constant.
+    name : str
+        Readable op name, for messages.
+    module_name : str
+        Dotted path of the module that issued the op.
+    linearised : callable, optional
+        A function with the same signature whose gradient is the one the rule
+        should use (e.g. layer norm with its statistic detached).
+    """
+
+    # Fields of calls of some kinds, declared here so that a rule may read them on any call. Each is set by the
+    # constructor of the call class of its kind (in relprop.ops), except where said otherwise
+    #: a convolution or dense op fed by a model input through routing ops alone (:class:`ParametricCall`)
+    is_first: bool = False
+    #: products: the tag of each activation factor (``"sigmoid"``, ``"softmax"``, ``"divisor"``, ...; None: none)
+    factors: tuple[str | None, ...] = ()
+    #: products: a matrix product
+    matrix: bool = False
+    #: softmax: the dimension it normalises
+    dim: int
+    #: the number of dimensions of the output (set by :func:`propagate`)
+    output_dim: int
+    #: what the rule's ``prepare`` returned (a ``1 / denominator``), kept from :meth:`prepare` to :meth:`finish`
+    prepared: Tensor = None  # type: ignore[assignment]
+    #: max pooling: the average pooling over the same windows (None where dilated)
+    average: Callable[[Tensor], Tensor] | None
+
+    def __init__(self, kind: OpKind, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str,
+                 linearised: Callable | None = None):
+        self.kind = kind
+        self.func = func
+        #: whether ``func`` overwrites its one activation input and returns it (see ``ops._in_place_pass``)
+        self.in_place = False
+        #: for an op run in place: the call that produced the input it overwrote, which still reads that memory
+        self.overwrites: OpCall | None = None
+        self.name = name
+        self.module_name = module_name
+        self.rule: Rule = None  # type: ignore[assignment]  # set by propagate() before the op runs
+        #: called as ``audit(call, relevance, input_relevances)`` after each propagation, if set
+        self.audit: Callable | None = None
+        self._linearised = linearised or func
+        leaves, slots = positional_activations(args)
+        self._spec: TreeSpec | None = None
+        self._constants: dict = kwargs
+        if slots is None or (kwargs and holds_activation(kwargs)):
+            leaves, self._spec = tree_flatten((args, kwargs))
+            self._constants = {}
+            slots = [i for i, leaf in enumerate(leaves) if is_activation(leaf)]
+        # else the common case, activations among the positional arguments only: no pytree needed
+        self._slots = slots
+        self._outer: tuple[Tensor, ...] | None = tuple([leaves[i] for i in slots])
+        inputs = []
+        for slot, x in zip(slots, self._outer):
+            leaves[slot] = value = x.detach()
+            inputs.append(value)
+        self.inputs: tuple[Tensor, ...] = tuple(inputs)
+        self._leaves = leaves
+        #: the inputs' version counters once the op has run (see :meth:`check_inputs`)
+        self.versions: tuple[int, ...] = ()
+        #: set by :func:`propagate`; None again once no rule reads it (:meth:`settle`, :meth:`take_output`)
+        self.output: Tensor = None  # type: ignore[assignment]
+        #: whether an in-place ReLU has since overwritten the output in its memory: it holds relu(z) >= 0
+        self.output_nonnegative = False
+        #: indices of :attr:`inputs` that are copies read by the rule alone: it may write into them
+        self.scratch: frozenset[int] = frozenset()
+        self._graph: tuple[list[Tensor], Tensor] | None = None
+        self._prepared = False
+        self._restore = False
+
+    @property
+    def activations(self) -> tuple[Tensor, ...]:
+        """The activation inputs as the outer autograd graph knows them (until :meth:`release`)."""
+        if self._outer is None:
+            raise RuntimeError("relprop: the op call no longer holds the model's tensors")
+        return self._outer
+
+    def release(self) -> None:
+        """Drop the model's own tensors once the node exists: the backward pass needs only detached values.
+
+        Keeping them would close a reference cycle through the autograd graph
+        (node -> call -> input -> its later in-place op -> node) that Python's
+        garbage collector cannot see.
+        """
+        self._outer = None
+
+    def call_with(self, func: Callable, inputs: Sequence[Tensor]) -> Tensor:
+        leaves = list(self._leaves)
+        for slot, value in zip(self._slots, inputs):
+            leaves[slot] = value
+        if self._spec is None:
+            return func(*leaves, **self._constants)
+        args, kwargs = tree_unflatten(leaves, self._spec)
+        return func(*args, **kwargs)
+
+    def keep_inputs_from(self, target: Tensor) -> None:
+        """Before ``target`` is overwritten in place: the inputs in its memory become copies, for the rule to read.
+
+        Plain autograd allows ``y = a + 1; a[0] = 0`` as long as no op saved
+        ``a``; every rule here reads its inputs, so each op that read ``a``
+        keeps a copy instead (:meth:`check_inputs` raises otherwise). An op
+        run in place on ``target`` itself reads only the shape of its input.
+        """
+        if self.inputs is None:  # the backward pass went through this op already
+            return
+        kept = [i for i, x in enumerate(self.inputs)
+                if torch._C._is_alias_of(x, target)  # type: ignore[attr-defined]
+                and not (self.in_place and i == 0)]
+        if not kept:
+            return
+        inputs = list(self.inputs)
+        for i in kept:
+            inputs[i] = inputs[i].clone()
+            self._leaves[self._slots[i]] = inputs[i]
+        self.inputs = tuple(inputs)
+        self.versions = tuple(x._version for x in inputs)
+        if self._graph is not None:  # it may have saved the old memory (a product saves its factors)
+            self._build_graph()
+
+    def detach_graph(self) -> None:
+        """Before the output is modified in place: the kept autograd graph built anew if it may have saved it.
+
+        The output is the kept graph's own output, and the backward of an
+        elementwise op (``tanh``, ``sigmoid``, ``exp``), a softmax or an
+        attention saves it; linear ops save only their inputs.
+        """
+        if self._graph is not None and self._linearised is self.func and self.kind not in _SAVES_NO_OUTPUT:
+            self._build_graph()
+
+    def _build_graph(self) -> None:
+        """The op's private autograd graph, built (or built again) on :attr:`inputs`."""
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in self.inputs]
+            self._graph = (leaves, self.call_with(self._linearised, leaves))
+
+    def check_inputs(self) -> None:
+        """Raise if an input was modified in place after the op read it: the rule would read the new values.
+
+        Plain autograd refuses the same for ops that save their input; every
+        rule reads its inputs. An op run in place overwrote its own input, and
+        its rule reads only the shape.
+        """
+        for index, (x, version) in enumerate(zip(self.inputs, self.versions)):
+            if x._version != version and not (self.in_place and index == 0):
+                raise RuntimeError(f"relprop: input {index} of {self.describe()} was modified in place after the op "
+                                   "read it, so its relevance cannot be computed; modify a copy instead "
+                                   "(x = x.clone()) or use the out-of-place op")
+
+    def keep_graph(self, leaves: list[Tensor], out: Tensor) -> None:
+        """Use an autograd graph of the op built already, from ``leaves`` (one per input) to ``out``."""
+        self._graph = (leaves, out)
+
+    def _needs_graph(self) -> bool:
+        return self.rule.needs_vjp and self._graph is None
+
+    def run_in_place(self, overwrites: OpCall | None) -> None:
+        """Run the op in place on its one activation input, whose producer ``overwrites`` still reads that memory.
+
+        Only for a rule that reads nothing but the input's shape (see ``ops._in_place_pass``).
+        """
+        self.in_place = True
+        self.overwrites = overwrites
+
+    def zeroed_in_place(self) -> None:
+        """An in-place ReLU overwrote the output in its memory: it holds ``relu(z) >= 0`` (see :meth:`restore_output`)."""
+        self.output_nonnegative = True
+
+    def run(self) -> Tensor:
+        """Compute the output; keep the op's gradient graph if the rule needs its VJP."""
+        if self._needs_graph():
+            self._build_graph()
+        if self._graph is not None and self._linearised is self.func:
+            return self._graph[1].detach()
+        # the model's own tensors (activations flagged requires_grad, parameters as they are): some kernels
+        # choose their algorithm by those flags, and the output must be bitwise the plain model's
+        return self.call_with(self.func, self.activations)
+
+    def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """Vector-Jacobian product of the op with respect to :attr:`inputs`.
+
+        A rule that sets ``needs_vjp`` finds the op's autograd graph kept from
+        the forward pass; for one that does not, it is built here from the
+        kept inputs (the op runs once more).
+        """
+        if self._graph is None:
+            self._build_graph()
+        if self._graph is None:  # a convolution merged with a BatchNorm keeps no inputs to run it on again
+            raise RuntimeError(f"relprop: rule {self.rule!r} takes the VJP of {self.describe()} without setting "
+                               "needs_vjp = True; set it on the rule")
+        leaves, out = self._graph
+        return torch.autograd.grad(out, leaves, grad, allow_unused=True)
+
+    def take_output(self) -> Tensor | None:
+        """:attr:`output` for the rule to write into, if no other tensor shares its memory; else None.
+
+        By the time the relevance reaches an op, every op that read its output
+        has passed the relevance on and freed its inputs; if the model, the
+        user or a hook kept no tensor in the same memory either, nothing can
+        read it any more, and the rule may write into it instead of into a
+        new tensor of the same size. The call then drops its own reference,
+        so the memory is freed as soon as the rule is done with it. The check
+        counts the references to the memory (views, aliases and storage
+        objects included); where PyTorch does not expose the count, the answer
+        is None.
+        """
+        lone = _lone_storage_count()
+        if self.output is None or lone is None or _storage_count(self.output) != lone:
+            return None
+        output, self.output = self.output, None  # type: ignore[assignment]
+        return output
+
+    def restore_output(self) -> None:
+        """Have the rule read the true output after all, though an in-place ReLU overwrote it (see ``ops``).
+
+        An op that reads the ReLU's output may give relevance to the entries
+        the ReLU set to 0 (its rule is not :attr:`~relprop.rules.Rule.zero_for_zero_input`),
+        so ``relu(z)`` no longer serves for ``z`` there: the output is computed
+        again from the inputs before the rule prepares (again, if it already has).
+        """
+        self._restore = True
+
+    def recompute(self) -> Tensor:
+        """The output computed again from :attr:`inputs`."""
+        inputs = (self.inputs[0].clone(), *self.inputs[1:]) if self.in_place else self.inputs
+        with torch.no_grad():
+            return self.call_with(self.func, inputs)
+
+    def prepare(self) -> None:
+        """Let the rule precompute from the output, once: in the backward pass, or before the output changes."""
+        if self._restore:
+            self._restore = self._prepared = self.output_nonnegative = False
+            self.output = self.recompute()
+        if not self._prepared:
+            self._prepared = True
+            self.prepared = self.rule.prepare(self)  # type: ignore[assignment]  # None unless the rule prepares
+            self.settle()
+
+    def finish(self) -> None:
+        """After the backward pass through this op: free what it kept, as autograd frees saved tensors."""
+        self.inputs = None  # type: ignore[assignment]
+        self.output = None  # type: ignore[assignment]
+        self._graph = None
+        # the arguments hold the inputs too, and the call lives as long as the autograd graph: to its end
+        self._leaves = self._outer = None  # type: ignore[assignment]
+        self.overwrites = None
+        self.prepared = None  # type: ignore[assignment]
+
+    def settle(self) -> None:
+        """Drop the output once nothing will read it: it would keep an activation alive until the backward pass."""
+        if not self.rule.needs_output and (self._prepared or not self.rule.prepares):
+            self.output = None  # type: ignore[assignment]
+
+    def protect(self, copy: Tensor | None = None) -> None:
+        """Before user code modifies the output in place: prepare now, and copy it if the rule reads it later.
+
+        ``copy`` is a copy of the output that nothing will modify: the rule reads
+        it when the relevance comes, and nothing more is kept. An op run in
+        place passes this on to the call whose output it overwrote.
+        """
+        if self.overwrites is not None:
+            self.overwrites.protect(copy)
+        self.detach_graph()
+        if self.rule is None or self.output is None:
+            return
+        if copy is not None:
+            self.output = copy.detach()  # no reference into the autograd graph: it would close a cycle
+            return
+        self.prepare()
+        if self.rule.needs_output:
+            self.output = self.output.clone()
+
+    def describe(self) -> str:
+        return f"{self.name} in module '{self.module_name or '<root>'}'"
+
+    @property
+    def arguments(self) -> dict[str, Any] | None:
+        """The op's arguments other than its activation inputs, by the names its torch function gives them.
+
+        Bound to the function's signature with its defaults filled in
+        (``kernel_size``, ``stride``, ... of ``F.max_pool2d``); None where the
+        function has no signature to bind to, or the activations are nested in
+        containers (no single input to replace).
+        """
+        if self._spec is not None:
+            return None
+        # F.max_pool2d and kin dispatch on return_indices between two functions of one signature
+        func = torch._jit_internal.boolean_dispatched.get(self.func, {}).get("if_false", self.func)
+        try:
+            bound = inspect.signature(func).bind(*self._leaves, **self._constants)
+        except (TypeError, ValueError):  # a builtin without a signature, or arguments it does not take
+            return None
+        bound.apply_defaults()
+        return {name: value for name, value in bound.arguments.items() if not any(value is x for x in self.inputs)}
+
+
+class AddCall(OpCall):
+    """``x + alpha * y`` or ``x - alpha * y`` (``add``, ``sub``): a sum whose VJP is closed-form.
+
+    The VJP hands ``g`` to ``x`` and ``alpha * g`` (``-alpha * g`` for a
+    difference) to ``y``, each summed to its input's shape where it was
+    broadcast, as autograd computes it (bitwise), so no autograd graph of the
+    sum is kept in the forward pass and none is run in the backward pass.
+    Only for two arguments of one floating dtype (or a number): autograd would
+    also cast the gradient of an input of another dtype.
+
+    Parameters
+    ----------
+    alpha : float
+        The factor of the second argument, negated for a difference.
+    """
+
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str, alpha: float):
+        super().__init__(OpKind.SUM, func, args, kwargs, name, module_name)
+        #: the factor of each activation input: 1 for the first argument, ``alpha`` for the second
+        self._factors = tuple(1 if slot == 0 else alpha for slot in self._slots)
+
+    def _needs_graph(self) -> bool:
+        return False
+
+    def vjp(self, grad: Tensor) -> tuple[Tensor, ...]:
+        return tuple(sum_to(grad if factor == 1 else grad * factor, x.shape)
+                     for factor, x in zip(self._factors, self.inputs))
+
+
+class InPlaceSumCall(AddCall):
+    """``x.add_(y, alpha=a)`` run in place, as in the plain model (a residual connection ``out += identity``).
+
+    The rule reads ``before``, a copy of ``x`` taken before the op, and the
+    op's VJP is closed-form (:class:`AddCall`), so no autograd graph of the
+    sum is kept and no result is copied back into ``x``. ``producer``, the
+    call that computed ``x``, may read the same copy (see :meth:`OpCall.protect`).
+    """
+
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str, before: Tensor,
+                 alpha: float, producer: OpCall | None):
+        super().__init__(func, args, kwargs, name, module_name, alpha)
+        self.in_place = True
+        self.inputs = (before, *self.inputs[1:])
+        self._leaves[self._slots[0]] = before  # no alias of x left here: the output may be writable later
+        self._producer = producer
+
+    def prepare(self) -> None:
+        """Prepare, and let the producer of ``x`` prepare too.
+
+        The producer may prepare at any time. If it then reads no more of the
+        copy of ``x``, the copy is this rule's alone to write into: one
+        map-sized tensor fewer on every residual connection.
+        """
+        super().prepare()
+        if self._producer is not None:
+            self._producer.prepare()
+            if self._producer.output is None:
+                self.scratch = frozenset({0})
+            self._producer = None

@@ -1,0 +1,353 @@
+"""Parametric linear op calls (convolutions, dense layers) and the workspace they share."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, overload
+
+import torch
+from torch import Tensor
+
+from relprop._core.kinds import OpKind
+from relprop._core.tensors import is_activation
+from relprop.engine.calls import OpCall
+from relprop.engine.nodes import is_relevance_node
+
+#: autograd nodes searched for the model input that an activation comes from
+_INPUT_SEARCH = 256
+
+
+def model_input(x: Tensor) -> Tensor | None:
+    """The model input that ``x`` is made from by routing ops alone (reshape, pad, ...); None if there is none.
+
+    ``x`` itself if it is the model input. None where an op with a rule lies on
+    the way (``x`` is not just the input rearranged) or the graph is too large
+    to search.
+    """
+    if x.grad_fn is None:
+        return x if is_activation(x) else None
+    stack, seen, found = [x.grad_fn], set[int](), None
+    while stack:
+        node = stack.pop()
+        if is_relevance_node(node) or len(seen) > _INPUT_SEARCH:
+            return None
+        variable = getattr(node, "variable", None)
+        if not node.next_functions and is_activation(variable):
+            found = variable  # a model input (parameters are leaves too, but not inputs)
+        for parent, _ in node.next_functions:
+            if parent is not None and id(parent) not in seen:
+                seen.add(id(parent))
+                stack.append(parent)
+    return found
+
+
+def routed_image(x: Tensor, image: float | Tensor) -> Tensor | None:
+    """``image``, in the space of the model input ``x`` is made from, taken through the same routing ops.
+
+    The routing ops between the input and ``x`` are a linear map ``J`` (a
+    space-to-depth, a crop, a zero padding); ``J image`` comes from two
+    vector-Jacobian products, ``J^T u`` and its own VJP, on the model's
+    graph, which stays as it is. ``image`` broadcasts against the input. None
+    where ``x`` is not made from a model input by routing ops alone.
+    """
+    source = model_input(x)
+    if source is None:
+        return None
+    image = torch.as_tensor(image, dtype=source.dtype, device=source.device).expand_as(source)
+    with torch.enable_grad():
+        probe = torch.zeros_like(x, requires_grad=True)
+        (back,) = torch.autograd.grad(x, source, probe, create_graph=True, retain_graph=True)
+        (forward,) = torch.autograd.grad(back, probe, image)
+    return forward.detach()
+
+
+class Workspace:
+    """Buffers that the parametric op calls of one forward pass share for a weight-sized tensor each rule
+    needs only while it runs (``W+``).
+
+    The backward pass reaches one op at a time on a device, so one buffer per
+    device and dtype, the size of the largest such tensor, serves every
+    layer. A new tensor per layer would cost as much memory at any moment,
+    but on a CPU each is fresh memory from the operating system (it is above
+    glibc's mmap threshold), faulted in page by page: 71 MiB of them per
+    attribution on ResNet50 (``benchmarks/README.md``).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+    def like(self, tensor: Tensor, shape: list[int] | torch.Size | None = None) -> Tensor:
+        """An uninitialised tensor shaped like ``tensor`` (or ``shape``), with its device and dtype.
+
+        It is valid until the next call for the same device and dtype.
+        """
+        shape = tensor.shape if shape is None else torch.Size(shape)
+        key = (tensor.device, tensor.dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < shape.numel():
+            # a view of the old buffer still alive keeps its memory: replacing never overwrites it
+            buffer = self._buffers[key] = torch.empty(shape.numel(), dtype=tensor.dtype, device=tensor.device)
+        return buffer[:shape.numel()].view(shape)
+
+
+class ParametricCall(OpCall):
+    """A parametric linear op ``f(x; weight, bias)`` (convolution, dense layer).
+
+    ``weight`` and ``bias`` are constants here; a BatchNorm that directly
+    follows the op is merged into them by :meth:`merge_batch_norm`. With
+    ``transpose`` (the op's VJP with respect to ``x``, e.g. a transposed
+    convolution) no autograd graph is kept for epsilon-type rules; it is
+    called as ``transpose(grad, weight, like)``, where ``like`` is an input of
+    the shape the op with ``weight`` takes, None for the op's own input (see
+    :meth:`stack_signs`).
+    """
+
+    def __init__(self, kind: OpKind, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str,
+                 weight: Tensor, bias: Tensor | None,
+                 evaluate: Callable[[Tensor, Tensor, Tensor | None], Tensor], channel_dim: int | None,
+                 transpose: Callable[..., Tensor] | None, workspace: Workspace, is_first: bool = False,
+                 input_nonnegative: bool = False):
+        super().__init__(kind, func, args, kwargs, name, module_name)
+        self.evaluate = evaluate
+        self.workspace = workspace
+        self.is_first = is_first
+        #: whether the input is known to be >= 0 (a ReLU's output), so that rules need not check its sign
+        self.input_nonnegative = input_nonnegative
+        self._weight, self._bias = weight, bias
+        self._channel_dim = channel_dim  # weight dimension that indexes output channels
+        self._transpose = transpose
+        self._batch_norm: tuple[Tensor, Tensor] | None = None  # merged (scale, shift) per output channel
+        self._merged_weight: Tensor | None = None
+        self._merged_bias: Tensor | None = None
+        self._value: Tensor | None = None
+
+    @property
+    def weight(self) -> Tensor:
+        """The weight, a merged BatchNorm's scale included (computed on first use, kept until :meth:`finish`)."""
+        if self._batch_norm is None:
+            return self._weight
+        if self._merged_weight is None:  # only rules that modify parameters need it
+            self._merged_weight = self._merge_weight()
+        return self._merged_weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        """The bias, a merged BatchNorm's scale and shift included."""
+        if self._batch_norm is None:
+            return self._bias
+        if self._merged_bias is None:
+            scale, shift = self._batch_norm
+            self._merged_bias = shift if self._bias is None else self._bias * scale + shift
+        return self._merged_bias
+
+    @overload
+    def weight_parts(self, negative: Literal[True]) -> tuple[Tensor, Tensor]: ...
+    @overload
+    def weight_parts(self, negative: Literal[False]) -> tuple[Tensor, None]: ...
+
+    def weight_parts(self, negative: bool) -> tuple[Tensor, Tensor | None]:
+        """``W+`` and, if ``negative``, ``W-`` of :attr:`weight`.
+
+        ``W+`` is written into the :class:`Workspace`: it is valid while the
+        rule runs, until another op call asks for its ``W+``. ``W-`` is a new
+        tensor. A merged weight that is not kept already is made for them and
+        not kept.
+        """
+        w_pos = self.workspace.like(self._weight)
+        w_neg = torch.empty_like(self._weight) if negative else None
+        self._write_signs(w_pos, w_neg)
+        return w_pos, w_neg
+
+    def negative_weight(self, out: Tensor) -> Tensor:
+        """``W-`` of :attr:`weight`, written into ``out``: a weight-sized tensor the caller is done with (its ``W+``)."""
+        return torch.clamp(self._weight_in(out), max=0, out=out)
+
+    def _write_signs(self, w_pos: Tensor, w_neg: Tensor | None) -> None:
+        """``W+`` of :attr:`weight` written into ``w_pos`` and, unless None, ``W-`` into ``w_neg``."""
+        weight = self._weight_in(w_pos)
+        if w_neg is not None:
+            torch.clamp(weight, max=0, out=w_neg)
+        torch.clamp(weight, min=0, out=w_pos)  # last: `weight` may be `w_pos` itself
+
+    def _weight_in(self, out: Tensor) -> Tensor:
+        """:attr:`weight`; where that is a merged weight not kept, made in ``out`` (weight-shaped) for the caller."""
+        if self._batch_norm is None or self._merged_weight is not None:
+            return self.weight
+        return self._merge_weight(out)
+
+    def _merge_weight(self, out: Tensor | None = None) -> Tensor:
+        """The weight with the merged BatchNorm's scale on its output channels, in ``out`` or a new tensor."""
+        shape = [1] * self._weight.dim()
+        shape[self._channel_dim] = -1  # type: ignore[index]  # a merged BatchNorm's op has its channel dimension
+        return torch.mul(self._weight, self._batch_norm[0].reshape(shape), out=out)  # type: ignore[index]
+
+    def scale_input_channels(self, weight: Tensor, scale: Tensor) -> Tensor | None:
+        """``weight`` (shaped like :attr:`weight`) multiplied in place by ``scale``, one factor per input channel.
+
+        The op with the result equals the op on its input multiplied channel by
+        channel by ``scale`` (a vector as long as the input has channels).
+        None, and ``weight`` left as it is, where the weight does not index
+        the input channels one by one (grouped convolutions).
+        """
+        dim = self._input_channel_dim(scale.numel())
+        if dim is None:
+            return None
+        shape = [1] * weight.dim()
+        shape[dim] = -1
+        return weight.mul_(scale.reshape(shape))
+
+    def _input_channel_dim(self, channels: int) -> int | None:
+        """The weight dimension that indexes the input's ``channels`` channels one by one; None where none does.
+
+        None for grouped convolutions, whose weight indexes the channels of one group.
+        """
+        if self._channel_dim is None:
+            return None
+        dim = 1 - self._channel_dim  # the weight's other leading dimension
+        return dim if self._weight.shape[dim] == channels else None
+
+    def stack_signs(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        """``x+`` and ``x-`` side by side along the input channels, and ``W+`` and ``W-`` of :attr:`weight` to match.
+
+        The op with both (:attr:`evaluate`) is ``W+ x+ + W- x-``, and one
+        transposed product with the stacked weight (:meth:`transpose_with`, the
+        stacked input as ``like``) gives ``W+^T s`` and ``W-^T s`` side by
+        side: one product each way instead of two. On a first layer of three
+        colour channels that halves the cost of both, since the kernels
+        handle six channels about as fast as three. The stacked weight is
+        written into the :class:`Workspace`. None where the weight does not
+        index the input channels one by one (grouped convolutions).
+        """
+        dim = self._input_channel_dim(x.shape[self.input_channel_axis(x)])
+        if dim is None:
+            return None
+        shape = list(self._weight.shape)
+        shape[dim] *= 2
+        weights = self.workspace.like(self._weight, shape)
+        self._write_signs(*weights.chunk(2, dim))
+        axis, inputs = self._stacked_input(x)
+        x_pos, x_neg = inputs.chunk(2, axis)
+        torch.clamp(x, min=0, out=x_pos)
+        torch.clamp(x, max=0, out=x_neg)
+        return inputs, weights
+
+    def transpose_beside(self, grad: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """``W^T grad`` (``W``: :attr:`weight`) and ``weight^T grad``, from one transposed product.
+
+        ``W`` and ``weight`` side by side along the input channels make one
+        product: on a first layer of three colour channels about the cost of
+        one of them. Only where the weight indexes the input channels one by
+        one (:meth:`scale_input_channels` is not None).
+        """
+        x = self.inputs[0]
+        axis, like = self._stacked_input(x)
+        stacked = torch.cat([self.weight, weight], self._input_channel_dim(x.shape[axis]))  # type: ignore[arg-type]
+        # the kernel reads the shape of `like` alone: memory never written is never faulted in
+        return self.transpose_with(grad, stacked, like=like).chunk(2, axis)  # type: ignore[return-value]
+
+    def _stacked_input(self, x: Tensor) -> tuple[int, Tensor]:
+        """The axis of ``x``'s channels, and an uninitialised input like ``x`` with twice as many channels."""
+        axis = self.input_channel_axis(x)
+        shape = list(x.shape)
+        shape[axis] *= 2
+        return axis, x.new_empty(shape)
+
+    def routed_image(self, image: float | Tensor) -> Tensor | None:
+        """``image``, in the model input's space, taken through the routing ops that made this op's input.
+
+        None where the input is not the model input rearranged (see :func:`routed_image`).
+        """
+        return routed_image(self.activations[0], image)
+
+    def input_channel_axis(self, x: Tensor) -> int:
+        """The axis of ``x`` (an input of the op) holding its channels: 1 for convolutions, the last for dense ops."""
+        return 1 if self.kind == OpKind.CONV else x.dim() - 1
+
+    def _output_shape(self, vector: Tensor) -> Tensor:
+        """A per-channel vector shaped to broadcast against the output."""
+        shape = [1] * self.output_dim
+        shape[1 if self.kind == OpKind.CONV else -1] = -1
+        return vector.reshape(shape)
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """``weight`` and ``bias`` (a merged BatchNorm included) and the op's options (``stride``, ``padding``, ...)."""
+        return {"weight": self.weight, "bias": self.bias, **self._constants}
+
+    def bias_term(self) -> Tensor:
+        """The bias, shaped to broadcast against the output."""
+        return self._output_shape(self.bias)  # type: ignore[arg-type]  # called where there is a bias
+
+    def _needs_graph(self) -> bool:
+        return self._transpose is None and super()._needs_graph()
+
+    def recompute(self) -> Tensor:
+        with torch.no_grad():  # a merged BatchNorm included
+            return self.evaluate(self.inputs[0], self.weight, self.bias)
+
+    def release(self) -> None:
+        """Keep the data input: a BatchNorm that follows builds its merged node on it."""
+
+    def _build_graph(self) -> None:
+        if self._batch_norm is None:  # a merged call's graph ends in the BatchNorm; the op's VJP saves no input
+            super()._build_graph()
+
+    def finish(self) -> None:
+        super().finish()
+        self._merged_weight = None  # a copy of the layer's weights, else kept until the graph is freed
+        self._transpose = None  # a transposed convolution holds its input (for the shape)
+
+    def run(self) -> Tensor:
+        if self._value is not None:  # a merged call: the output was computed by the BatchNorm itself
+            value, self._value = self._value, None
+            return value
+        return super().run()
+
+    def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if self._graph is not None or self._transpose is None:
+            return super().vjp(grad)
+        if self._batch_norm is None:
+            return (self._transpose(grad),)  # type: ignore[misc]  # no graph kept: the op is transposable
+        # the merged BatchNorm's scale goes onto the weight or onto the relevance, whichever is smaller
+        if self._weight.numel() < grad.numel():
+            return (self._transpose(grad, self.weight),)  # type: ignore[misc]
+        return (self._transpose(grad * self._output_shape(self._batch_norm[0])),)  # type: ignore[misc]
+
+    @property
+    def transposable(self) -> bool:
+        """Whether :meth:`transpose_with` is available (no string padding, no private graph needed)."""
+        return self._transpose is not None
+
+    def transpose_with(self, grad: Tensor, weight: Tensor, like: Tensor | None = None) -> Tensor:
+        """The VJP with respect to the input of the op with another ``weight``: one transposed product.
+
+        ``like``: an input of the shape the op with ``weight`` takes, where that is not the shape of :attr:`inputs`
+        (a stacked weight, see :meth:`stack_signs`).
+        """
+        return self._transpose(grad, weight, like)  # type: ignore[misc]  # rules check transposable first
+
+    def merge_batch_norm(self, batch_norm: Callable[[Tensor], Tensor], scale: Tensor, shift: Tensor,
+                         output: Tensor, module_name: str) -> "ParametricCall":
+        """A copy of this call with ``batch_norm(f(x)) = f(x; scale*W, scale*b + shift)`` merged in.
+
+        The merged output is ``batch_norm`` applied to ``output``, this call's
+        output, so it stays bitwise the plain model's. On a call that has a
+        BatchNorm merged already (``conv -> bn -> bn2``) the two compose:
+        ``scale * (scale0 * z + shift0) + shift``. This call stays as it is, for
+        the other ops that read its output. ``module_name`` names the modules of both.
+        """
+        if self._batch_norm is not None:
+            scale0, shift0 = self._batch_norm
+            scale, shift = scale0 * scale, shift0 * scale + shift
+        merged = object.__new__(type(self))  # a shallow copy; copy.copy costs as much as a small op
+        merged.__dict__.update(self.__dict__)
+        merged._batch_norm = (scale, shift)
+        merged._merged_weight = merged._merged_bias = None  # this call's, if it made them already
+        merged._prepared = False
+        merged.name = f"{self.name}+batch_norm"
+        merged.module_name = module_name
+        merged._value = batch_norm(output.detach())
+        if self._graph is not None:
+            leaves, out = self._graph
+            with torch.enable_grad():
+                merged._graph = (leaves, batch_norm(out))
+        return merged

@@ -1,0 +1,229 @@
+"""Alias and in-place tracking for one attribution forward pass (docs/design.md, section 7).
+
+An :class:`AliasTracker` knows, for the activations of the pass, which op call produced each one, what each one
+is (its tag: a gate, a statistic, attention weights), which op calls read which memory, and which outputs an
+in-place ReLU overwrote. Op families (:mod:`relprop.ops`) ask it before and after an op writes into an
+activation, so that every rule still reads the values it needs when the relevance comes."""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from relprop._core.kinds import OpKind
+from relprop._core.rule import Pass, Rule
+from relprop.engine.calls import OpCall
+
+__all__ = ["AliasTracker", "aliases", "KEEPS_NONZERO"]
+
+#: in-place ops that leave every nonzero entry as it was: the ReLUs (see :meth:`AliasTracker.before_in_place`)
+KEEPS_NONZERO = frozenset({F.relu, F.relu_, torch.relu_, Tensor.relu_})
+#: ReLUs, in place or not: their outputs are >= 0
+_RELU = KEEPS_NONZERO | {torch.relu, Tensor.relu}
+
+
+def aliases(value: Any, target: Tensor) -> bool:
+    """Whether ``value`` is a tensor in ``target``'s memory (``target`` itself, or a view of it)."""
+    # not by their storage objects: made once, one lives as long as the memory (see graph._storage_count)
+    return isinstance(value, Tensor) and torch._C._is_alias_of(value, target)  # type: ignore[attr-defined]
+
+
+def _maps_zero_to_zero(call: OpCall) -> bool:
+    """Whether ``call`` is an elementwise op that, with its constants, maps 0 to 0 (entry by entry)."""
+    if call.kind != OpKind.ELEMENTWISE:
+        return False
+    (x,) = call.inputs
+    return bool((call.call_with(call.func, (x.new_zeros((1,) * x.dim()),)) == 0).all())
+
+
+class AliasTracker:
+    """Producers, tags, readers and in-place overwrites of the activations of one forward pass.
+
+    Tables hold tensors weakly: an activation the model drops is forgotten with it.
+    """
+
+    # every op asks whether a table is empty: by its dict of weak references (``.data``), as the table's own
+    # ``__len__`` costs a Python call; a table whose keys all died but are not yet removed then counts as non-empty,
+    # and its lookups find nothing
+
+    def __init__(self) -> None:
+        #: output tensor -> the op call that produced it
+        self._producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: tensors tagged with what produced them ("sigmoid", "activation", "statistic", "softmax", "exp")
+        self._tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: tensor -> the op calls whose output an in-place ReLU set to 0 in entries the tensor holds: they read
+        #: ``relu(z)`` for ``z`` unless a later op may give relevance to those entries (:meth:`follow_zeros`)
+        self._zeroed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: address of an input's memory -> the op calls that read it (see :meth:`before_write`)
+        self._readers: dict[int, list[weakref.ref[OpCall]]] = {}
+
+    # ------------------------------------------------------------ producers and tags
+
+    def producer(self, x: Any) -> OpCall | None:
+        """The op call that produced ``x`` (as it is now: an op that overwrote it in place takes over)."""
+        return self._producers.get(x)
+
+    def relu_output(self, x: Tensor) -> bool:
+        """Whether ``x`` is the output of a ReLU, as it left it: every entry ``>= 0``."""
+        producer = self._producers.get(x)
+        return producer is not None and producer.func in _RELU
+
+    def tag(self, x: Any) -> str | None:
+        """What produced ``x`` (``"sigmoid"``, ``"softmax"``, ...), if it is tagged."""
+        return self._tags.get(x) if self._tags.data else None
+
+    def set_tag(self, out: Any, tag: str | None) -> None:
+        """Tag ``out`` (a tensor, or the tensors of a ``chunk``/``split`` result); None removes a tensor's tag."""
+        if isinstance(out, Tensor):
+            if tag is None:
+                self._tags.pop(out, None)
+            elif out.requires_grad:
+                self._tags[out] = tag
+        elif isinstance(out, (tuple, list)):  # named tuples too: topk's values stay gates (a MoE router's weights)
+            for value in out:
+                self.set_tag(value, tag)
+
+    def routed(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """``out`` was routed from ``args`` (reshaped, indexed, cast): it keeps the first argument's tag (a
+        reshaped gate is a gate), and entries an in-place ReLU set to 0 keep their meaning wherever they go."""
+        # each lookup in a weak table makes a weak reference: none while the table is empty (CNNs have no tags)
+        if self._tags.data and args and isinstance(args[0], Tensor) and (tag := self._tags.get(args[0])) is not None:
+            self.set_tag(out, tag)
+        if self._zeroed.data:
+            self.carry_zeros(self.zeroed_in((*args, *kwargs.values())), out)
+
+    def recorded(self, call: OpCall, out: Tensor) -> None:
+        """``call`` ran and produced ``out``: it is ``out``'s producer and a reader of its inputs' memory."""
+        self._producers[out] = call
+        reader = weakref.ref(call)
+        for x in call.inputs:
+            self._readers.setdefault(torch._C._storage_address(x), []).append(reader)  # type: ignore[attr-defined]
+
+    def alias(self, out: Tensor, of: Tensor) -> None:
+        """``out`` stands for ``of`` (a tap node on it): it has ``of``'s producer."""
+        producer = self._producers.get(of)
+        if producer is not None:
+            self._producers[out] = producer
+
+    # ------------------------------------------------------------ writes in place
+
+    def overwritten(self, tensor: Tensor, result: Tensor | None = None) -> Tensor:
+        """``tensor`` was modified in place: it takes ``result``'s producer and tag, or loses its own.
+
+        Else a BatchNorm after ``conv -> bn -> relu_`` would be merged into the
+        convolution across the ReLU.
+        """
+        for table in (self._producers, self._tags, self._zeroed):
+            if result is not None and result in table:
+                table[tensor] = table[result]
+            elif tensor in table:
+                del table[tensor]
+        return tensor
+
+    def protect(self, tensor: Any, copy: Tensor | None = None) -> None:
+        """Before ``tensor`` is modified in place, let the call that produced it keep what it needs.
+
+        ``copy``, a copy of ``tensor`` that nothing will modify, serves instead of one of its own. The calls
+        that read ``tensor`` keep copies of what they read (:meth:`before_write`).
+        """
+        if not isinstance(tensor, Tensor):
+            return
+        call = self._producers.get(tensor)
+        if call is not None:
+            call.protect(copy)
+        self.before_write(tensor)
+
+    def before_write(self, target: Tensor) -> None:
+        """``target``, an activation, is about to be overwritten in place: the ops that read it keep copies."""
+        for reader in self._readers.pop(torch._C._storage_address(target), ()):  # type: ignore[attr-defined]
+            call = reader()
+            if call is not None:
+                call.keep_inputs_from(target)
+
+    def before_in_place(self, func: Callable, target: Tensor) -> None:
+        """Let the op that produced ``target`` keep what it needs before ``func`` overwrites it in place.
+
+        An in-place ReLU needs nothing kept: it changes only entries it sets to 0,
+        and relevance there is 0 where the ops that read them give relevance in
+        proportion to their inputs' values, so the producer may read ``relu(z)``
+        for ``z`` later. This saves one copy of every activation a ReLU
+        overwrites. Where a later op may give relevance to those entries, the
+        producer computes ``z`` again (:meth:`follow_zeros`).
+        """
+        if func not in KEEPS_NONZERO:
+            self.protect(target)
+            return
+        call = self._producers.get(target)
+        if call is not None:
+            call.detach_graph()
+        self.before_write(target)
+
+    # ------------------------------------------------------------ entries an in-place ReLU set to 0
+
+    def in_place_relu(self, call: OpCall) -> OpCall | None:
+        """``call`` runs in place on its one input: the producer it overwrites, marked if ``call`` is a ReLU.
+
+        A ReLU leaves the producer reading ``relu(z)`` in place of its output ``z``: its output is ``>= 0`` now.
+        """
+        target = call.activations[0]
+        overwrites = self._producers.get(target)
+        call.run_in_place(overwrites)
+        if overwrites is not None and call.func in KEEPS_NONZERO and aliases(overwrites.output, target):
+            overwrites.zeroed_in_place()
+            return overwrites
+        return None
+
+    def zeroed_by(self, out: Tensor, overwritten: OpCall) -> None:
+        """An in-place ReLU made ``out`` from ``overwritten``'s output, setting entries to 0."""
+        self._zeroed[out] = (*self._zeroed.get(out, ()), overwritten)
+
+    def zeroed_for(self, call: OpCall, rule: Rule | None) -> tuple[OpCall, ...]:
+        """The calls whose entries an in-place ReLU set to 0 among ``call``'s inputs, of interest to ``rule``.
+
+        None of interest where ``rule`` gives inputs that are 0 no relevance (``zero_for_zero_input``); a rule
+        None (winner-take-all) routes relevance and is asked.
+        """
+        if not self._zeroed.data or getattr(rule, "zero_for_zero_input", False):
+            return ()
+        return self.zeroed_in(call.activations)
+
+    def zeroed_in(self, values: Any) -> tuple[OpCall, ...]:
+        """The op calls whose output an in-place ReLU set to 0 in entries that ``values`` (tensors, lists) hold."""
+        if not self._zeroed.data:
+            return ()
+        found = []
+        for value in values:
+            if isinstance(value, Tensor):
+                found.extend(self._zeroed.get(value, ()))
+            elif isinstance(value, (list, tuple)):
+                found.extend(self.zeroed_in(value))
+        return tuple(found)
+
+    def carry_zeros(self, zeroed: tuple[OpCall, ...], out: Any) -> None:
+        """``out`` holds entries of tensors in which those of ``zeroed`` calls' outputs were set to 0."""
+        if not zeroed:
+            return
+        for value in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(value, Tensor) and value.requires_grad:
+                self._zeroed[value] = zeroed
+
+    def follow_zeros(self, call: OpCall, rule: Rule, zeroed: tuple[OpCall, ...], out: Tensor) -> None:
+        """``call`` reads entries that an in-place ReLU set to 0 in the outputs of ``zeroed`` calls.
+
+        ``call``'s rule may give relevance to inputs that are 0 (it is not
+        :attr:`~relprop.rules.Rule.zero_for_zero_input`), or pass it through an
+        op that maps 0 to something else (``sigmoid``): then the ``zeroed``
+        calls need their true output back. An elementwise op that maps 0 to 0
+        and passes relevance through leaves the question to the ops that read
+        its output.
+        """
+        if type(rule) is Pass and _maps_zero_to_zero(call):
+            self.carry_zeros(zeroed, out)
+            return
+        for producer in zeroed:
+            producer.restore_output()

@@ -1,0 +1,117 @@
+"""Fused attention, ``nn.MultiheadAttention``, and embedding lookups of the model's token ids."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from relprop._core.kinds import OpKind
+from relprop._core.registry import ALWAYS_HANDLED, op_name, register
+from relprop._core.signatures import bind, bind_builtin
+from relprop._core.tensors import constant, is_activation
+from relprop.engine.calls import OpCall
+from relprop.engine.nodes import substitute
+from relprop.ops.host import OpHost
+
+_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class AttentionCall(OpCall):
+    """``F.scaled_dot_product_attention``, decomposed for its rule in the backward pass.
+
+    The forward output is the fused kernel's. In the backward pass the
+    attention is recomputed as ``softmax(q k^T * scale + mask) @ v`` (with
+    ``is_causal`` and grouped-query heads) and relevance is split over its
+    two matrix products and its softmax.
+    """
+
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, module_name: str) -> None:
+        super().__init__(OpKind.ATTENTION, func, args, kwargs, op_name(func), module_name)
+        bound = bind_builtin(_SDPA, args, kwargs)
+        self._parts = {key: constant(bound.get(key)) for key in _SDPA}
+        # a float mask computed from activations (SAM's decomposed relative positions) is a score term too
+        self._roles = [key for key in ("query", "key", "value", "attn_mask") if is_activation(bound.get(key))]
+
+    def _needs_graph(self) -> bool:
+        return False
+
+    @property
+    def parts(self) -> dict[str, Any]:
+        """Its arguments by name (``query``, ``key``, ``value``, ``attn_mask``, ``is_causal``, ``scale``, ...)."""
+        return self._parts
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The names of the arguments that are activations, in the order of :attr:`inputs`."""
+        return tuple(self._roles)
+
+
+def _attention(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+    return session.run(AttentionCall(func, args, kwargs, session.module_name))
+
+
+def _multi_head_attention(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``nn.MultiheadAttention``: the native output, relevance through its decomposition into rule-bearing ops."""
+    bound = bind(func, args, kwargs)
+    if (bound["bias_k"] is not None or bound["add_zero_attn"]
+            or bound["static_k"] is not None or bound["static_v"] is not None):
+        return session.unknown(func, args, kwargs)
+    output, weights = func(*args, **kwargs)
+    with session:  # back in the mode: each op of the decomposition gets its rule
+        decomposed = _decomposed_attention(**bound)
+    return substitute(output, decomposed), weights
+
+
+def _decomposed_attention(query: Tensor, key: Tensor, value: Tensor, embed_dim_to_check: int, num_heads: int,
+                          in_proj_weight: Tensor | None, in_proj_bias: Tensor | None, out_proj_weight: Tensor,
+                          out_proj_bias: Tensor | None, key_padding_mask: Tensor | None = None,
+                          attn_mask: Tensor | None = None, use_separate_proj_weight: bool = False,
+                          q_proj_weight: Tensor | None = None, k_proj_weight: Tensor | None = None,
+                          v_proj_weight: Tensor | None = None, is_causal: bool = False, **_: Any) -> Tensor:
+    """``F.multi_head_attention_forward`` (sequence first, no dropout) as linear maps around fused attention."""
+    weights = ((q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight
+               else in_proj_weight.chunk(3))  # type: ignore[union-attr]
+    biases = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
+    length, batch, width = query.shape
+    head = width // num_heads
+
+    def heads(t: Tensor) -> Tensor:  # (S, N, E) -> (N, H, S, d)
+        return t.reshape(t.shape[0], batch, num_heads, head).permute(1, 2, 0, 3)
+
+    q, k, v = (heads(F.linear(t, w, b)) for t, w, b in zip((query, key, value), weights, biases))
+    mask = None
+    if attn_mask is not None:  # MultiheadAttention: True = not attended; a float mask is added
+        mask = attn_mask.reshape(-1, num_heads, *attn_mask.shape[-2:]) if attn_mask.dim() == 3 else attn_mask
+        mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(mask, -math.inf) if mask.dtype == torch.bool \
+            else mask
+    if key_padding_mask is not None:
+        padding = key_padding_mask.reshape(batch, 1, 1, -1)
+        padding = torch.zeros(padding.shape, dtype=q.dtype).masked_fill(padding, -math.inf) \
+            if padding.dtype == torch.bool else padding
+        mask = padding if mask is None else mask + padding
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None)
+    return F.linear(out.permute(2, 0, 1, 3).reshape(length, batch, width), out_proj_weight, out_proj_bias)
+
+
+# ---------------------------------------------------------------- embeddings
+
+def _embedding(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """A lookup of the model's integer input: its vectors collect the relevance of those tokens."""
+    bound = bind(func, args, kwargs)
+    if is_activation(bound["weight"]):
+        return session.unknown(func, args, kwargs)
+    with torch.no_grad():  # a lookup in a parameter table: constant, unless it embeds the model's input
+        out = func(*args, **kwargs)
+    return session.token_embedding(bound["input"], out)
+
+
+register(_attention, [F.scaled_dot_product_attention])
+register(_multi_head_attention, [F.multi_head_attention_forward])
+register(_embedding, [F.embedding])
+
+
+ALWAYS_HANDLED.add(_embedding)

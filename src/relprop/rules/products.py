@@ -1,0 +1,188 @@
+"""Rules of products, softmax and fused attention (AttnLRP, CP-LRP)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from relprop._core.contract import AttentionView, Call, ProductView, SoftmaxView, is_attention, is_product
+from relprop._core.rule import Rule
+from relprop._core.tensors import sum_to
+from relprop.rules.stabilizers import inverse_denominator
+
+
+def attention_relevance(call: AttentionView, relevance: Tensor, epsilon: float,
+                        values_only: bool) -> tuple[Tensor | None, ...]:
+    """Relevance of a fused attention's activation inputs: ``softmax(q k^T * scale + mask) @ v`` recomputed.
+
+    ``values_only`` (CP-LRP): the values take all of it. Else (AttnLRP) the
+    product ``weights @ v`` splits it evenly between the weights and ``v``
+    (each with the epsilon rule of a product, ``eps`` the stabiliser), the
+    softmax takes its rule (:class:`Softmax`), and ``q k^T`` splits its share
+    evenly between ``q`` and ``k``; an activation mask gets its own share of
+    each score. Grouped-query heads sum back onto their key and value heads.
+    """
+    parts, roles = call.parts, call.roles
+    q, k, v = (parts[key] for key in ("query", "key", "value"))
+    groups = q.shape[-3] // k.shape[-3] if parts["enable_gqa"] else 1
+    k_, v_ = (k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)) if groups > 1 else (k, v)
+    scale = parts["scale"] if parts["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k_.transpose(-2, -1)) * scale
+    mask = parts["attn_mask"]
+    if parts["is_causal"]:
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, -math.inf)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, -1)
+    scaled = relevance * inverse_denominator(weights @ v_, epsilon)
+    # each product splits its relevance over its activation factors: q or k alone (a decoder's query made
+    # from constants, in cross-attention) takes all of q k^T's, and values next to constant weights all
+    factors = [role for role in ("query", "key") if role in roles]
+    values_only = values_only or not (factors or "attn_mask" in roles)
+    found = {"value": (1.0 if values_only else 0.5) * v_ * (weights.transpose(-2, -1) @ scaled)}
+    if not values_only:
+        r_weights = 0.5 * weights * (scaled @ v_.transpose(-2, -1))
+        # softmax rule, then the scale and the mask as constants: relevance per score over q k^T
+        per_score = r_weights - weights * r_weights.sum(-1, keepdim=True)  # times a score: its relevance
+        taylor = scale * per_score / max(len(factors), 1)
+        found["query"] = q * (taylor @ k_)
+        found["key"] = k_ * (taylor.transpose(-2, -1) @ q)
+        if "attn_mask" in roles:  # the mask's own share of each score, as the sum `scores + mask` gives
+            found["attn_mask"] = (mask * per_score).sum_to_size(mask.shape)
+    if groups > 1:
+        for key in ("key", "value"):
+            if key in found:
+                found[key] = found[key].unflatten(-3, (k.shape[-3], groups)).sum(-3)
+    return tuple(found.get(role) for role in roles)
+
+
+class UniformProduct(Rule[Call]):
+    """Products of activations (``a * b``, ``a @ b``): each of the k factors gets 1/k.
+
+    ``R_i = (1/k) * x_i * VJP_i(R / (z + eps sign z))`` (the AttnLRP rule for
+    multiplicative interactions). On fused attention (``kind == "attention"``)
+    both matrix products are split this way and the softmax takes its
+    :class:`Softmax` rule, so that q and k share half and v gets half.
+    """
+
+    zero_for_zero_input = True
+    kinds = frozenset({"product", "attention"})
+    needs_vjp = True
+    needs_output = False
+
+    def __init__(self, epsilon: float = 1e-6):
+        self.epsilon = epsilon
+
+    def prepare(self, call: Call) -> Tensor | None:
+        """``1 / (k (z + eps sign z))`` of a product of k factors."""
+        return inverse_denominator(call.output, self.epsilon).div_(len(call.inputs)) if is_product(call) else None
+
+    def conserves(self, call: Call) -> bool:
+        return is_product(call)  # a product of k activations is k-linear: x * grad sums to k z
+
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        if is_attention(call):
+            return attention_relevance(call, relevance, self.epsilon, values_only=False)
+        return tuple(None if c is None else x * c for x, c in zip(call.inputs, call.vjp(relevance * call.prepared)))
+
+
+class SignalTakesAll(Rule[Call]):
+    """Gated products ``gate * signal``: the signal gets all relevance, the gate none.
+
+    A factor is a gate when its tag (what produced it, :attr:`ProductView.factors
+    <relprop.contract.ProductView.factors>`) is one of ``gate_kinds``: by default
+    a sigmoid (LSTM gates, Arras et al. 2017; squeeze-and-excitation), a
+    normalising statistic (``x * rsqrt(var)``), a divisor and an exponential
+    weight; CP-LRP adds attention weights (``"softmax"``) and activations of
+    gated MLPs (``"activation"``). On fused attention all relevance goes to the
+    values (CP-LRP).
+
+    Parameters
+    ----------
+    epsilon : float
+        Stabiliser of the epsilon rule of a matrix product's signal.
+    gate_kinds : iterable of str
+        The factor tags that make a factor a gate.
+    """
+
+    #: the factor tags that make a factor a gate unless a composite says otherwise (AttnLRP's)
+    GATE_KINDS = frozenset({"sigmoid", "statistic", "divisor", "exp"})
+
+    kinds = frozenset({"product", "attention"})
+    needs_vjp = True  # for matrix products: the linear map of the signal, with the gate held constant
+    needs_output = False
+
+    def __init__(self, epsilon: float = 1e-6, gate_kinds: Iterable[str] = GATE_KINDS):
+        self.epsilon = epsilon
+        self.gate_kinds = frozenset(gate_kinds)
+
+    def gates(self, call: ProductView) -> tuple[bool, ...]:
+        """Which factors of the product ``call`` are gates that take no relevance.
+
+        Where every factor would be one, an activation output gated by a
+        sigmoid or a softmax is the signal (CP-LRP on squeeze-and-excitation:
+        ``relu(h) * sigmoid(s)``); gates alone share the relevance uniformly
+        (none is a gate). Never may all of it vanish.
+        """
+        factors = call.factors
+        gates = tuple(factor in self.gate_kinds for factor in factors)
+        if len(gates) > 1 and all(gates):
+            gates = tuple(factor != "activation" for factor in factors)
+            if all(gates):
+                gates = (False,) * len(gates)
+        return gates
+
+    def accepts(self, call: Call) -> bool:
+        """Fused attention, or a product with a gate and at most one other activation factor.
+
+        A gate times a constant (``r * b_hn`` at the first step of a GRU): the
+        relevance belongs to the constant, and is absorbed.
+        """
+        if is_attention(call):
+            return True
+        if not is_product(call):
+            return False
+        gates = self.gates(call)
+        return any(gates) and len(gates) - sum(gates) <= 1
+
+    def prepare(self, call: Call) -> Tensor | None:
+        """A matrix product's ``1 / (z + eps sign z)``."""
+        return inverse_denominator(call.output, self.epsilon) if is_product(call) and call.matrix else None
+
+    def conserves(self, call: Call) -> bool:
+        """A gate times a constant gives the constant the relevance; else the signal takes all of it."""
+        return is_attention(call) or (is_product(call) and not all(self.gates(call)))
+
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        if is_attention(call):
+            return attention_relevance(call, relevance, self.epsilon, values_only=True)
+        assert is_product(call)  # accepts() took only products and attention
+        gates = self.gates(call)
+        if call.matrix:  # attn @ v: epsilon rule of v's linear map
+            grads = call.vjp(relevance * call.prepared)
+            return tuple(None if gate or c is None else x * c for x, c, gate in zip(call.inputs, grads, gates))
+        # gate * signal elementwise: the signal's share is all of it
+        return tuple(None if gate else sum_to(relevance, x.shape) for x, gate in zip(call.inputs, gates))
+
+
+class Softmax(Rule[SoftmaxView]):
+    """Softmax inside the model (AttnLRP): ``R_x = x * (R - s * sum(R))`` along the softmax dimension.
+
+    This equals Gradient x Input through the softmax. It is not conservative:
+    the softmax absorbs what its input's shift does not explain. Masked
+    entries (``x = -inf``) get 0, never NaN.
+    """
+
+    zero_for_zero_input = True
+    kinds = frozenset({"softmax"})
+    needs_output = True
+
+    def propagate(self, call: SoftmaxView, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        (x,) = call.inputs
+        s = call.output
+        taylor = relevance.to(s.dtype) - s * relevance.to(s.dtype).sum(call.dim, keepdim=True)
+        out = torch.where(torch.isfinite(x), x * taylor.to(x.dtype), 0.0)
+        return (out,)

@@ -1,0 +1,50 @@
+"""The stabilised denominators of the rules: ``z + eps * sign(z)`` and its inverse."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def _stabilizer(epsilon: float, dtype: torch.dtype) -> float:
+    """In float16 and bfloat16 the stabiliser is at least the dtype's machine epsilon, so that 1/eps stays finite."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return max(epsilon, torch.finfo(dtype).eps)
+    return epsilon
+
+
+def denominator(z: Tensor, epsilon: float) -> Tensor:
+    """Stabilise ``z`` for a division: ``z + epsilon * sign(z)`` with ``sign(0) = +1``.
+
+    With ``epsilon == 0`` the zeros of ``z`` become ``inf``, so that dividing by
+    the result gives 0 there instead of NaN. In float16 and bfloat16 ``epsilon``
+    is at least the dtype's machine epsilon.
+    """
+    epsilon = _stabilizer(epsilon, z.dtype)
+    if epsilon == 0:
+        return torch.where(z == 0, math.inf, z)
+    # eps * (1 - 2 [z < 0]) + z, bitwise z + eps or z - eps, with one new tensor: torch.where costs
+    # several passes over memory on CPU, and every fresh tensor page faults
+    return torch.lt(z, 0, out=torch.empty_like(z)).mul_(-2 * epsilon).add_(epsilon).add_(z)
+
+
+def inverse_denominator(z: Tensor, epsilon: float, in_place: bool = False) -> Tensor:
+    """``1 / denominator(z, epsilon)``, in as few passes over memory as possible.
+
+    ``in_place``: ``z >= 0`` (an in-place ReLU's output) is the caller's to
+    overwrite, and the result is written into it. With ``epsilon == 0`` the
+    inverse is 0 where ``1 / z`` is infinite: at ``z = 0``, and at subnormal
+    ``z`` (``1 / z`` overflows there; ``denominator`` keeps them).
+    """
+    epsilon = _stabilizer(epsilon, z.dtype)
+    if epsilon == 0:
+        # one pass in place instead of `where(z == 0, 0, 1 / z)`: 6x faster on a transformer's small tensors,
+        # where LRP-0 (AttnLRP) takes an inverse per linear layer
+        inverse = z.reciprocal_() if in_place else z.reciprocal()
+        return inverse.nan_to_num_(nan=math.nan, posinf=0.0, neginf=0.0)
+    if in_place:
+        return z.add_(epsilon).reciprocal_()
+    # copysign(eps, 0.0) = +eps; the rare -0.0 gets -eps, the same magnitude. One new tensor, written in place:
+    # on large tensors every fresh allocation costs page faults
+    return torch.copysign(z.new_full((), epsilon), z).add_(z).reciprocal_()

@@ -1,0 +1,1 @@
+"""Workflows on top of the methods: datasets explained to disk, concepts, evaluation, the MNIST demo model."""
