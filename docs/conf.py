@@ -49,20 +49,20 @@ DOCSTRING_FIXES: dict[str, tuple[str, str]] = {
     "relprop.DeepLiftShap.attribute": ("Other parameters as for :meth:`DeepLift.attribute`.", ""),
     # a Returns section without a type line: napoleon splits the paragraph inside an inline literal (docutils)
     "relprop.LayerDeepLift.attribute": (
-        "-------\nA tensor shaped like the layer's output (or input), a tuple for tuple\noutputs or several inputs, "
+        ("-------\nA tensor shaped like the layer's output (or input), a tuple for tuple\noutputs or several inputs, "
         "a list when the layer ran several times;\nwith ``return_convergence_delta``, also ``attributions total - "
-        "(f(x) -\nf(baseline))`` per example (for each call).",
-        "-------\nTensor, tuple or list\n    A tensor shaped like the layer's output (or input), a tuple for tuple\n"
+        "(f(x) -\nf(baseline))`` per example (for each call)."),
+        ("-------\nTensor, tuple or list\n    A tensor shaped like the layer's output (or input), a tuple for tuple\n"
         "    outputs or several inputs, a list when the layer ran several times; with\n"
         "    ``return_convergence_delta``, also ``attributions total - (f(x) - f(baseline))``\n"
-        "    per example (for each call)."),
+        "    per example (for each call).")),
     # "|relevance|" is a reST substitution reference (docutils: undefined substitution)
     "relprop.viz.scale_of": ("max |relevance|", "max ``|relevance|``"),
     "relprop.viz.heatmap": ("Percentile of |relevance|", "Percentile of ``|relevance|``"),
 }
 
 
-def _fix_docstring(app, what, name, obj, options, lines):  # noqa: ANN001, ANN202
+def _fix_docstring(app, what, name, obj, options, lines):
     if name not in DOCSTRING_FIXES:
         return
     old, new = DOCSTRING_FIXES[name]
@@ -76,5 +76,5 @@ def _fix_docstring(app, what, name, obj, options, lines):  # noqa: ANN001, ANN20
     lines[:] = text.replace(old, new).split("\n")
 
 
-def setup(app):  # noqa: ANN001, ANN201
+def setup(app):
     app.connect("autodoc-process-docstring", _fix_docstring, priority=100)  # before napoleon (500) reads sections
