@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from . import viz
-from .attribution import LRP
-from .concepts import TopSamples, load_reference_samples
-from .dataset import batch_inputs
-from .layer import LayerLRP, resolve_module
+from relprop import viz
+from relprop.methods.attribution import LRP
+from relprop.methods.layer import LayerLRP, resolve_module
+from relprop.workflows.concepts import TopSamples, load_reference_samples
+from relprop.workflows.dataset import batch_inputs
 
 __all__ = ["Crop", "reference_crops", "render_atlas", "render_glocal"]
 
