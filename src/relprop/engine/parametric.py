@@ -313,6 +313,12 @@ class ParametricCall(OpCall):
         return (self._transpose(grad * self._output_shape(self._batch_norm[0])),)  # type: ignore[misc]
 
     @property
+    def merges_batch_norm(self) -> bool:
+        """Whether a BatchNorm that follows can be merged in (:meth:`merge_batch_norm`): the weight indexes the
+        output channels along one dimension (not a grouped transposed convolution)."""
+        return self._channel_dim is not None
+
+    @property
     def transposable(self) -> bool:
         """Whether :meth:`transpose_with` is available (no string padding, no private graph needed)."""
         return self._transpose is not None

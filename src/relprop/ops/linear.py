@@ -157,7 +157,7 @@ def _batch_norm(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> A
         return func(*args, **kwargs)
     producer = session.aliases.producer(x)
     mean, var = bound["running_mean"], bound["running_var"]
-    if (not isinstance(producer, ParametricCall) or producer._channel_dim is None
+    if (not isinstance(producer, ParametricCall) or not producer.merges_batch_norm
             or bound["training"] or mean is None or session.module_rule() is not None):
         return session.run(session.record(OpKind.BATCHNORM, func, args, kwargs))
     weight = bound["weight"] if bound["weight"] is not None else torch.ones_like(var)
