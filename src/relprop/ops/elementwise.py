@@ -28,7 +28,7 @@ def _elementwise(tag: str | None = None) -> Handler:
         if tag is not None:
             session.aliases.set_tag(out, tag)
         return out
-    handle.tag = tag  # type: ignore[attr-defined]
+    setattr(handle, "tag", tag)  # read by the in-place forms (ops.inplace)
     return handle
 
 
