@@ -158,9 +158,20 @@ def _eager(method: _F) -> _F:
     Relevance needs every op of the forward pass intercepted one by one, which a
     compiled graph does not allow: Dynamo breaks the graph here instead of
     failing, and what the caller compiles around an attribution stays compiled.
+    Dynamo is looked up when the method runs: nothing can be compiling before
+    ``torch.compile`` imported it, and importing it costs more than importing torch.
     The result has captum's ``__wrapped__`` (see :func:`_captum_entry`).
     """
-    return torch.compiler.disable(method, recursive=True)
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return method(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(method, recursive=True))
+        return disabled[0](*args, **kwargs)
+    return cast(_F, call)
 
 
 def _captum_entry(method: _F) -> _F:

@@ -137,7 +137,7 @@ class BasicRule(Rule[ParametricView]):
             return torch.zeros_like(x)
         shape = next(out for out in outputs if out is not None)
         full = [torch.zeros_like(shape) if out is None else out for out in outputs]
-        mapped = self._gradient_mapper(relevance, full, call.output)
+        mapped = self._gradient_mapper(relevance, full, call.output if self.needs_output else None)
         found = torch.autograd.grad([full[i] for i in live], [inputs[i] for i in live], [mapped[i] for i in live])
         grads = [torch.zeros_like(x) for x in inputs]
         for i, grad in zip(live, found):
