@@ -151,7 +151,7 @@ def output_relevance(output: Tensor, target: Target) -> Tensor:
 
 
 def _eager(method: _F) -> _F:
-    """Run ``method`` eagerly also inside ``torch.compile``d code.
+    """Run ``method`` eagerly also inside code compiled with ``torch.compile``.
 
     Relevance needs every op of the forward pass intercepted one by one, which a
     compiled graph does not allow: Dynamo breaks the graph here instead of
@@ -217,8 +217,8 @@ class LRP(Attribution):
     ----------
     model : nn.Module
         The model to explain. It is not modified: no parameter, flag, hook or
-        mode outlives a call. A ``torch.compile``d model is explained through the
-        module it was compiled from, and calls of this class run eagerly inside
+        mode outlives a call. A model compiled with ``torch.compile`` is explained
+        through the module it was compiled from, and calls of this class run eagerly inside
         compiled functions (a graph break), so compiling code around an
         attribution works.
     composite : Composite, str or None

@@ -292,6 +292,8 @@ class DeepLiftShap(DeepLift):
                   additional_forward_args: Any = None, return_convergence_delta: bool = False) -> Any:
         """Mean DeepLift attributions over the baselines, shaped like the inputs.
 
+        Other parameters as for :meth:`DeepLift.attribute`.
+
         Parameters
         ----------
         baselines : Tensor or tuple of Tensors
@@ -300,8 +302,6 @@ class DeepLiftShap(DeepLift):
         return_convergence_delta : bool
             Also return the delta of every (input, baseline) pair, example-major:
             shape ``(N * K,)``, as captum.
-
-        Other parameters as for :meth:`DeepLift.attribute`.
         """
 
         items = format_inputs(inputs)
@@ -355,10 +355,11 @@ class LayerDeepLift(Attribution):
 
         Returns
         -------
-        A tensor shaped like the layer's output (or input), a tuple for tuple
-        outputs or several inputs, a list when the layer ran several times;
-        with ``return_convergence_delta``, also ``attributions total - (f(x) -
-        f(baseline))`` per example (for each call).
+        Tensor, tuple or list
+            A tensor shaped like the layer's output (or input), a tuple for tuple
+            outputs or several inputs, a list when the layer ran several times; with
+            ``return_convergence_delta``, also ``attributions total - (f(x) - f(baseline))``
+            per example (for each call).
         """
         items, starts = _format(inputs, baselines)
         tapper = Tapper(attribute_to_layer_input)
