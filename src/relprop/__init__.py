@@ -12,7 +12,7 @@ Modules: :mod:`relprop.rules` (how relevance crosses one op),
 torch functions), :mod:`relprop.methods` (LRP and this public API, relevance
 inside the model, the audit, BiLRP, DeepLift and gradient methods for
 comparison), :mod:`relprop.workflows` (datasets, concepts, evaluation),
-:mod:`relprop.viz` (pictures) and :mod:`relprop.cli` (the command line). Every attribution
+:mod:`relprop.viz` (pictures) and ``relprop.cli`` (the command line). Every attribution
 class follows captum's ``Attribution`` protocol, so captum's ``NoiseTunnel``
 and metrics take it.
 """

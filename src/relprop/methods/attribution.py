@@ -133,7 +133,7 @@ class Contrastive:
 def output_relevance(output: Tensor, target: Target) -> Tensor:
     """The relevance seeded at the output: ``output`` where ``target`` selects, 0 elsewhere.
 
-    See :func:`target_mask` for ``target``. A floating-point tensor of the
+    See :func:`~relprop.methods.target_mask` for ``target``. A floating-point tensor of the
     output's shape is taken as the output relevance itself; a
     :class:`Contrastive` target explains the target against the others.
     """
@@ -230,7 +230,7 @@ class LRP(Attribution):
     guard : bool
         Check every op's relevance as it passes: NaN or infinite relevance, and
         rules that should conserve relevance but create some, are reported with
-        the op's module path (:class:`~relprop.engine.ConservationWarning`).
+        the op's module path (:class:`~relprop.ConservationWarning`).
 
     Notes
     -----
@@ -295,7 +295,7 @@ class LRP(Attribution):
     @_eager
     def record(self, inputs: Inputs, additional_forward_args: Any = None, taps: Any = None,
                audit: Any = None) -> ForwardPass:
-        """Run the model once under the engine and keep the pass, for :meth:`ForwardPass.relevance`.
+        """Run the model once under the engine and keep the pass, for :meth:`~relprop.methods.ForwardPass.relevance`.
 
         Use it to choose the output relevance after seeing the output. A
         recorded pass carries relevance once: record again for another seed.
@@ -333,7 +333,7 @@ class LRP(Attribution):
             one relevance per token, in their shape: the relevance of the
             embedded vectors summed over the hidden dimension.
         target : int, tuple, list, Tensor, Contrastive or None
-            What to explain (captum's semantics, see :func:`target_mask`).
+            What to explain (captum's semantics, see :func:`~relprop.methods.target_mask`).
             The output relevance is the selected output value, so relevance
             sums to about ``f_t(x)``.
         additional_forward_args : tuple or dict, optional

@@ -219,7 +219,7 @@ class DeepLift(Attribution):
     maps multipliers so that the attributions sum to ``f(x) - f(baseline)``
     at the target exactly, also through functional ops, modules called
     several times, residual sums, ``cat``, in-place ops, max pooling,
-    softmax and normalisation (the table in :mod:`relprop.deeplift`).
+    softmax and normalisation (the table in :mod:`relprop.methods.deeplift_rules`).
 
     Parameters
     ----------

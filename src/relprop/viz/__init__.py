@@ -208,7 +208,7 @@ def save_pixel_flipping(curves: Mapping[str, Mapping[str, torch.Tensor]], path: 
     Parameters
     ----------
     curves : panel title -> method name -> Tensor (steps + 1, N)
-        As :func:`relprop.evaluate.pixel_flipping` returns them. A method named
+        As :func:`relprop.workflows.evaluate.pixel_flipping` returns them. A method named
         ``"random"`` is drawn dashed, and left out of the lower panel. The best
         explanation (highest AOPC) is the reference of the lower panel; each legend
         entry gives the AOPC. A method has the same colour in every panel.
