@@ -2,9 +2,15 @@
 
 Quick start
 -----------
+>>> import torch
+>>> from torch import nn
 >>> import relprop
+>>> model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10)).eval()
+>>> images, labels = torch.randn(2, 3, 8, 8), torch.tensor([3, 7])
 >>> lrp = relprop.LRP(model, "epsilon-plus-flat")
->>> relevance = lrp.attribute(images, target=labels)
+>>> relevance = lrp.attribute(images, target=labels)  # one heatmap per image, for its label
+>>> relevance.shape
+torch.Size([2, 3, 8, 8])
 
 Modules: :mod:`relprop.rules` (how relevance crosses one op),
 :mod:`relprop.composites` (which op gets which rule, presets),

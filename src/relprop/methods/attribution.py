@@ -110,8 +110,27 @@ class Contrastive:
 
     Examples
     --------
-    >>> lrp.attribute(x, target=relprop.Contrastive(3))
-    >>> lrp.attribute(input_ids, target=relprop.Contrastive((-1, token_id)))
+    >>> import torch
+    >>> from torch import nn
+    >>> import relprop
+    >>> relprop.Contrastive(0).relevance(torch.tensor([[1.0, 2.0, 4.0]]))
+    tensor([[ 1., -1., -2.]])
+
+    A classifier, for class 3 against the other classes:
+
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5)).eval()
+    >>> lrp = relprop.LRP(model)
+    >>> x = torch.randn(2, 4)
+    >>> lrp.attribute(x, target=relprop.Contrastive(3)).shape
+    torch.Size([2, 4])
+
+    A language model, for token 5 at the last position against the rest of
+    the vocabulary (one relevance per input token):
+
+    >>> language_model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 10)).eval()
+    >>> input_ids, token_id = torch.tensor([[1, 4, 2, 7]]), 5
+    >>> relprop.LRP(language_model).attribute(input_ids, target=relprop.Contrastive((-1, token_id))).shape
+    torch.Size([1, 4])
     """
 
     def __init__(self, target: Target):
@@ -244,8 +263,15 @@ class LRP(Attribution):
 
     Examples
     --------
-    >>> lrp = relprop.LRP(model, "epsilon-plus-flat")
+    >>> import torch
+    >>> from torch import nn
+    >>> import relprop
+    >>> model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    >>> images, labels = torch.randn(2, 3, 8, 8), torch.tensor([3, 7])
+    >>> lrp = relprop.LRP(model.eval(), "epsilon-plus-flat")
     >>> relevance = lrp.attribute(images, target=labels)
+    >>> relevance.shape
+    torch.Size([2, 3, 8, 8])
     """
 
     multiplies_by_inputs = True
@@ -276,10 +302,18 @@ class LRP(Attribution):
 
         Examples
         --------
-        >>> x.requires_grad_(True)
+        >>> import torch
+        >>> from torch import nn
+        >>> import relprop
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+        >>> lrp = relprop.LRP(model)
+        >>> x = torch.randn(5, 4).requires_grad_(True)
         >>> with lrp.context():
         ...     out = model(x)
+        >>> my_relevance = out.detach() * torch.tensor([1.0, 0.0, 0.0])  # explain output 0
         >>> (relevance,) = torch.autograd.grad(out, x, grad_outputs=my_relevance)
+        >>> relevance.shape
+        torch.Size([5, 4])
         """
         with self._session() as session:
             yield session
@@ -305,8 +339,17 @@ class LRP(Attribution):
 
         Examples
         --------
+        >>> import torch
+        >>> from torch import nn
+        >>> import relprop
+        >>> lrp = relprop.LRP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5)).eval())
+        >>> x = torch.randn(2, 4)
         >>> explained = lrp.record(x)
+        >>> explained.logits.shape
+        torch.Size([2, 5])
         >>> relevance, = explained.relevance(relprop.output_relevance(explained.logits, target=3))
+        >>> relevance.shape
+        torch.Size([2, 4])
         """
         inputs = as_tuple(inputs)
         if not inputs or not all(isinstance(x, Tensor) for x in inputs):

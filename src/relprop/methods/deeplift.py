@@ -230,7 +230,17 @@ class DeepLift(Attribution):
 
     Examples
     --------
-    >>> attributions = relprop.methods.DeepLift(model).attribute(images, target=labels)
+    >>> import torch
+    >>> from torch import nn
+    >>> import relprop
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    >>> images, labels = torch.randn(2, 4), torch.tensor([0, 2])
+    >>> deeplift = relprop.methods.DeepLift(model)
+    >>> attributions, delta = deeplift.attribute(images, target=labels, return_convergence_delta=True)
+    >>> attributions.shape  # baselines: zeros
+    torch.Size([2, 4])
+    >>> bool(delta.abs().max() < 1e-5)  # they sum to f(x) - f(baseline)
+    True
     """
 
     def __init__(self, model: nn.Module, multiply_by_inputs: bool = True):
