@@ -25,7 +25,7 @@ myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
 
 # autodoc: documented by the public path (relprop.LRP, relprop.rules.Epsilon), members in __all__ order
-autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": False}
+autodoc_default_options = {"members": True, "member-order": "bysource"}
 autodoc_typehints = "description"
 add_module_names = True
 
