@@ -49,7 +49,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from relprop import rules
-from relprop._core.kinds import OpKind
+from relprop._core.kinds import GATE_TAGS, OpKind
 from relprop._core.registry import HANDLERS, ROUTING_HANDLERS, op_name
 from relprop._core.rule import Rule
 from relprop.engine.calls import OpCall
@@ -166,7 +166,7 @@ class Composite:
 
     #: what makes a factor of a product a gate that takes no relevance: a sigmoid output, a normalising
     #: statistic (``x * rsqrt(var)``), a divisor, an exponential weight (``exp(k - max) * v``)
-    gate_kinds: frozenset[str] = frozenset({"sigmoid", "statistic", "divisor", "exp"})
+    gate_kinds: frozenset[str] = GATE_TAGS
 
     def __init__(self, epsilon: float = 1e-6, conv: Rule | None = None, dense: Rule | None = None,
                  first: Mapping[str, Rule] | None = None, layer_map: _TypeMap | None = None,
@@ -351,7 +351,7 @@ class CPLRP(AttnLRP):
     values and the gated signal. On a bias-free model it conserves exactly.
     """
 
-    gate_kinds = frozenset({"sigmoid", "statistic", "divisor", "exp", "activation", "softmax"})
+    gate_kinds = GATE_TAGS | {"activation", "softmax"}
 
     def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs: Any) -> None:
         super().__init__(gamma, epsilon, **kwargs)

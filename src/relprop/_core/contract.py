@@ -24,6 +24,10 @@ class Call(Protocol):
         """The op family (see :mod:`relprop.rules`)."""
 
     @property
+    def func(self) -> Callable:
+        """The torch function the op called (``torch.conv2d``, ``F.max_pool2d``, ...)."""
+
+    @property
     def inputs(self) -> tuple[Tensor, ...]:
         """The activation inputs, detached."""
 

@@ -375,7 +375,7 @@ class Session(TorchFunctionMode):
             return handler(self, func, args, kwargs)
         except Exception as error:
             if not getattr(error, "_relprop_noted", False):
-                error._relprop_noted = True  # type: ignore[attr-defined]
+                setattr(error, "_relprop_noted", True)
                 error.add_note(f"relprop: raised by {op_name(func)} in module '{self.module_name or '<root>'}' "
                                "during the attribution forward pass")
             raise

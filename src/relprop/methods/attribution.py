@@ -5,9 +5,10 @@ import functools
 import gc
 import numbers
 import re
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -82,7 +83,8 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
         mask.fill_(True)
     elif _is_index(target) or isinstance(target, tuple):
         index = _check_index(target if isinstance(target, tuple) else (target,), output.shape, target)
-        mask[(slice(None), *index)] = True  # type: ignore[index]  # mypy misreads the starred ints
+        key: tuple[slice | int, ...] = (slice(None), *index)
+        mask[key] = True
     elif isinstance(target, (list, Tensor)):
         if isinstance(target, Tensor) and target.dim() != 1:
             raise ValueError(f"relprop: a target tensor must be 1-D (one class per example), got shape "
@@ -189,7 +191,7 @@ def _captum_entry(method: _F) -> _F:
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         return method(*args, **kwargs)
-    return call  # type: ignore[return-value]
+    return cast(_F, call)
 
 
 class Attribution:
@@ -283,8 +285,9 @@ class LRP(Attribution):
         if not isinstance(model, nn.Module):
             raise TypeError(f"relprop: model must be a torch.nn.Module, got {type(model).__name__}")
         # compiled code runs its ops where no rule can reach them: explain the module it was compiled from
-        compiled = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
-        self.model: nn.Module = model._orig_mod if compiled else model  # type: ignore[assignment]
+        dynamo = sys.modules.get("torch._dynamo")  # not imported unless something compiled a model
+        compiled = dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule)
+        self.model: nn.Module = cast(nn.Module, model._orig_mod) if compiled else model
         if isinstance(self.model, nn.DataParallel):  # replicas run in threads, outside the engine's mode
             self.model = self.model.module
         super().__init__(self.model)

@@ -35,6 +35,7 @@ from relprop.methods.attribution import LRP, Attribution, _captum_entry, target_
 from relprop.methods.deeplift_rules import _NORMS, DeepLiftComposite, VectorNormRescale
 from relprop.methods.gradients import _completeness_delta
 from relprop.methods.layer import Tapper, backward_to_taps, resolve_module
+from relprop.ops.elementwise import IN_PLACE_ACTIVATIONS, IN_PLACE_NAMES, INPLACE_FLAG_ACTIVATIONS
 
 _T = torch.Tensor
 #: casts that may round: an elementwise function, Rescale'd when they lose precision
@@ -50,14 +51,12 @@ _EXTREMA = {torch.amax: torch.amax, _T.amax: torch.amax, torch.amin: torch.amin,
             torch.max: torch.amax, _T.max: torch.amax, torch.min: torch.amin, _T.min: torch.amin}
 
 
-#: elementwise ops run in place, and their out-of-place forms
+#: elementwise ops run in place, and their out-of-place forms (the op families' lists)
 _IN_PLACE = {getattr(namespace, name + "_"): getattr(namespace, name) for namespace in (torch, _T, F)
-             for name in "relu sqrt rsqrt abs neg reciprocal pow clamp clip tanh sigmoid exp elu leaky_relu "
-                         "hardtanh".split()
+             for name in (*IN_PLACE_NAMES, "sigmoid", "exp", *(f.__name__ for f in IN_PLACE_ACTIVATIONS))
              if hasattr(namespace, name + "_") and hasattr(namespace, name)}
 #: activations with an ``inplace=`` argument
-_INPLACE_FLAG = frozenset(getattr(F, name) for name in "relu relu6 hardtanh leaky_relu elu selu celu silu mish "
-                          "hardswish rrelu threshold hardsigmoid".split() if hasattr(F, name))
+_INPLACE_FLAG = frozenset(getattr(F, name) for name in (*INPLACE_FLAG_ACTIVATIONS, "hardsigmoid") if hasattr(F, name))
 
 
 class _DeepLiftSession(Session):

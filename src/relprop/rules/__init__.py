@@ -14,8 +14,17 @@ Linear rules follow the general form ``s = R / (z' + eps * sign(z'))``,
 by its :class:`Term` s); :mod:`relprop.rules.kernels` holds fused forms of
 the built-in ones.
 """
-from relprop._core.contract import (AttentionView, Call, ParametricView, PoolView, ProductView, SoftmaxView, is_attention,
-                                     is_parametric, is_product)
+from relprop._core.contract import (
+                                     AttentionView,
+                                     Call,
+                                     ParametricView,
+                                     PoolView,
+                                     ProductView,
+                                     SoftmaxView,
+                                     is_attention,
+                                     is_parametric,
+                                     is_product,
+)
 from relprop._core.kinds import OpKind
 from relprop._core.rule import Gradient, Pass, Rule
 from relprop.rules.basic import AlphaBeta, BasicRule, Flat, Gamma, WSquare, ZBox, ZPlus

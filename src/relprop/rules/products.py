@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from relprop._core.contract import AttentionView, Call, ProductView, SoftmaxView, is_attention, is_product
+from relprop._core.kinds import GATE_TAGS
 from relprop._core.rule import Rule
 from relprop._core.tensors import sum_to
 from relprop.rules.stabilizers import inverse_denominator
@@ -109,7 +110,7 @@ class SignalTakesAll(Rule[Call]):
     """
 
     #: the factor tags that make a factor a gate unless a composite says otherwise (AttnLRP's)
-    GATE_KINDS = frozenset({"sigmoid", "statistic", "divisor", "exp"})
+    GATE_KINDS = GATE_TAGS
 
     kinds = frozenset({"product", "attention"})
     needs_vjp = True  # for matrix products: the linear map of the signal, with the gate held constant

@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .. import viz
-from ..methods.attribution import LRP
-from ..methods.layer import LayerLRP, resolve_module
-from ..workflows.concepts import TopSamples, load_reference_samples
-from ..workflows.dataset import batch_inputs
+from relprop import viz
+from relprop.methods.attribution import LRP
+from relprop.methods.layer import LayerLRP, resolve_module
+from relprop.workflows.concepts import TopSamples, load_reference_samples
+from relprop.workflows.dataset import batch_inputs
 
 __all__ = ["Crop", "reference_crops", "render_atlas", "render_glocal"]
 

@@ -15,8 +15,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from .. import viz
-from ..viz import plt
+from relprop import viz
+from relprop.viz import plt
 
 __all__ = ["strongest_pairs", "token_matrix", "token_matrix_html", "token_lines", "token_lines_html", "image_pair"]
 
