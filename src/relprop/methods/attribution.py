@@ -117,20 +117,11 @@ class Contrastive:
     >>> import relprop
     >>> relprop.Contrastive(0).relevance(torch.tensor([[1.0, 2.0, 4.0]]))
     tensor([[ 1., -1., -2.]])
-
-    A classifier, for class 3 against the other classes:
-
-    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5)).eval()
-    >>> lrp = relprop.LRP(model)
-    >>> x = torch.randn(2, 4)
-    >>> lrp.attribute(x, target=relprop.Contrastive(3)).shape
+    >>> lrp = relprop.LRP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5)).eval())
+    >>> lrp.attribute(torch.randn(2, 4), target=relprop.Contrastive(3)).shape  # class 3 against the others
     torch.Size([2, 4])
-
-    A language model, for token 5 at the last position against the rest of
-    the vocabulary (one relevance per input token):
-
     >>> language_model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 10)).eval()
-    >>> input_ids, token_id = torch.tensor([[1, 4, 2, 7]]), 5
+    >>> input_ids, token_id = torch.tensor([[1, 4, 2, 7]]), 5  # token 5 at the last position, against the others
     >>> relprop.LRP(language_model).attribute(input_ids, target=relprop.Contrastive((-1, token_id))).shape
     torch.Size([1, 4])
     """
