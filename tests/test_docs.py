@@ -137,15 +137,7 @@ def _short_name(test: doctest.DocTest) -> str:
 #: docstring examples that do not run yet: they use names they never define (``model``, ``images``, ...) or
 #: print values they do not show. Fix the docstring (define what it uses, show what it prints) and remove its
 #: entry; the test then fails until the entry goes, so the list only shrinks.
-NOT_RUNNABLE_YET: dict[str, str] = {
-    "relprop": "uses model, images and labels without defining them",
-    "LRP": "uses model, images and labels without defining them",
-    "LRP.context": "uses lrp, model, x and my_relevance without defining them",
-    "LRP.record": "uses lrp and x without defining them",
-    "Contrastive": "uses lrp, x, input_ids and token_id without defining them; prints a tensor it does not show",
-    "DeepLift": "uses model, images and labels without defining them",
-    "BiLRP": "uses encoder, ids and ids2 without defining them",
-}
+NOT_RUNNABLE_YET: dict[str, str] = {}
 
 DOCTESTS = _docstring_examples()
 

@@ -1,7 +1,7 @@
 """Op calls: one operation of the forward pass, as its rule sees it.
 
 Every intercepted operation becomes one :class:`OpCall` (or a subclass) and
-one node of the autograd graph (:mod:`.nodes`). Rules that need the op's
+one node of the autograd graph (``relprop.engine.nodes``). Rules that need the op's
 own vector-Jacobian product (epsilon-type rules) get it from a small private
 autograd graph recorded during the forward pass, so nothing is re-run in the
 backward pass.
@@ -99,7 +99,7 @@ class OpCall:
                  linearised: Callable | None = None):
         self.kind = kind
         self.func = func
-        #: whether ``func`` overwrites its one activation input and returns it (see ``ops._in_place_pass``)
+        #: whether ``func`` overwrites its one activation input and returns it (see ``relprop.ops.inplace._in_place_pass``)
         self.in_place = False
         #: for an op run in place: the call that produced the input it overwrote, which still reads that memory
         self.overwrites: OpCall | None = None
@@ -123,6 +123,7 @@ class OpCall:
         for slot, x in zip(slots, self._outer):
             leaves[slot] = value = x.detach()
             inputs.append(value)
+        #: the op's activation arguments, detached, in the order of the call's arguments
         self.inputs: tuple[Tensor, ...] = tuple(inputs)
         self._leaves = leaves
         #: the inputs' version counters once the op has run (see :meth:`check_inputs`)
@@ -131,7 +132,7 @@ class OpCall:
         self._output: Tensor | None = None
         #: whether an in-place ReLU has since overwritten the output in its memory: it holds relu(z) >= 0
         self.output_nonnegative = False
-        #: indices of :attr:`inputs` that are copies read by the rule alone: it may write into them
+        #: indices of :attr:`~relprop.engine.OpCall.inputs` that are copies read by the rule alone: it may write into them
         self.scratch: frozenset[int] = frozenset()
         self._graph: tuple[list[Tensor], Tensor] | None = None
         self._prepared = False
@@ -237,7 +238,7 @@ class OpCall:
             self._build_graph()
 
     def _build_graph(self) -> None:
-        """The op's private autograd graph, built (or built again) on :attr:`inputs`."""
+        """The op's private autograd graph, built (or built again) on :attr:`~relprop.engine.OpCall.inputs`."""
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in self.inputs]
             self._graph = (leaves, self.call_with(self._linearised, leaves))
@@ -265,7 +266,7 @@ class OpCall:
     def run_in_place(self, overwrites: OpCall | None) -> None:
         """Run the op in place on its one activation input, whose producer ``overwrites`` still reads that memory.
 
-        Only for a rule that reads nothing but the input's shape (see ``ops._in_place_pass``).
+        Only for a rule that reads nothing but the input's shape (see ``relprop.ops.inplace._in_place_pass``).
         """
         self.in_place = True
         self.overwrites = overwrites
@@ -285,7 +286,7 @@ class OpCall:
         return self.call_with(self.func, self.activations)
 
     def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
-        """Vector-Jacobian product of the op with respect to :attr:`inputs`.
+        """Vector-Jacobian product of the op with respect to :attr:`~relprop.engine.OpCall.inputs`.
 
         A rule that sets ``needs_vjp`` finds the op's autograd graph kept from
         the forward pass; for one that does not, it is built here from the
@@ -330,7 +331,7 @@ class OpCall:
         self._restore = True
 
     def recompute(self) -> Tensor:
-        """The output computed again from :attr:`inputs`."""
+        """The output computed again from :attr:`~relprop.engine.OpCall.inputs`."""
         inputs = (self.inputs[0].clone(), *self.inputs[1:]) if self.in_place else self.inputs
         with torch.no_grad():
             return self.call_with(self.func, inputs)

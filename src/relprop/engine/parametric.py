@@ -107,6 +107,7 @@ class ParametricCall(OpCall):
                  transpose: Callable[..., Tensor] | None, workspace: Workspace, is_first: bool = False,
                  input_nonnegative: bool = False):
         super().__init__(kind, func, args, kwargs, name, module_name)
+        #: the op itself, called as ``evaluate(x, weight, bias)``
         self.evaluate = evaluate
         self.workspace = workspace
         self.is_first = is_first
@@ -333,7 +334,7 @@ class ParametricCall(OpCall):
     def transpose_with(self, grad: Tensor, weight: Tensor, like: Tensor | None = None) -> Tensor:
         """The VJP with respect to the input of the op with another ``weight``: one transposed product.
 
-        ``like``: an input of the shape the op with ``weight`` takes, where that is not the shape of :attr:`inputs`
+        ``like``: an input of the shape the op with ``weight`` takes, where that is not the shape of :attr:`~relprop.engine.OpCall.inputs`
         (a stacked weight, see :meth:`stack_signs`).
         """
         transpose = self._transpose

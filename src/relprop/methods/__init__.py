@@ -1,10 +1,10 @@
 """Attribution methods: LRP and its relatives, and the gradient methods to compare with.
 
-:class:`LRP` (:mod:`.attribution`), relevance inside the model
-(:class:`LayerLRP`, :func:`module_relevance`; :mod:`.layer`), a per-op account
-(:func:`audit`), second-order relevance of similarity models (:class:`BiLRP`),
-DeepLift on the same engine (:class:`DeepLift`, :class:`DeepLiftShap`,
-:class:`LayerDeepLift`), and gradient methods for comparison
+:class:`~relprop.LRP` (``relprop.methods.attribution``), relevance inside the model
+(:class:`~relprop.LayerLRP`, :func:`~relprop.module_relevance`; ``relprop.methods.layer``), a per-op
+account (:func:`~relprop.audit`), second-order relevance of similarity models (:class:`~relprop.BiLRP`),
+DeepLift on the same engine (:class:`~relprop.DeepLift`, :class:`~relprop.DeepLiftShap`,
+:class:`~relprop.LayerDeepLift`), and gradient methods for comparison
 (:class:`InputGradient`, :class:`GradientXInput`, :class:`SmoothGrad`,
 :class:`IntegratedGradients`, :class:`Occlusion`). Every class follows
 captum's ``Attribution`` protocol.

@@ -112,8 +112,18 @@ class Contrastive:
 
     Examples
     --------
-    >>> lrp.attribute(x, target=relprop.Contrastive(3))
-    >>> lrp.attribute(input_ids, target=relprop.Contrastive((-1, token_id)))
+    >>> import torch
+    >>> from torch import nn
+    >>> import relprop
+    >>> relprop.Contrastive(0).relevance(torch.tensor([[1.0, 2.0, 4.0]]))
+    tensor([[ 1., -1., -2.]])
+    >>> lrp = relprop.LRP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5)).eval())
+    >>> lrp.attribute(torch.randn(2, 4), target=relprop.Contrastive(3)).shape  # class 3 against the others
+    torch.Size([2, 4])
+    >>> language_model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 10)).eval()
+    >>> input_ids, token_id = torch.tensor([[1, 4, 2, 7]]), 5  # token 5 at the last position, against the others
+    >>> relprop.LRP(language_model).attribute(input_ids, target=relprop.Contrastive((-1, token_id))).shape
+    torch.Size([1, 4])
     """
 
     def __init__(self, target: Target):
@@ -135,7 +145,7 @@ class Contrastive:
 def output_relevance(output: Tensor, target: Target) -> Tensor:
     """The relevance seeded at the output: ``output`` where ``target`` selects, 0 elsewhere.
 
-    See :func:`target_mask` for ``target``. A floating-point tensor of the
+    See :func:`~relprop.methods.target_mask` for ``target``. A floating-point tensor of the
     output's shape is taken as the output relevance itself; a
     :class:`Contrastive` target explains the target against the others.
     """
@@ -153,7 +163,7 @@ def output_relevance(output: Tensor, target: Target) -> Tensor:
 
 
 def _eager(method: _F) -> _F:
-    """Run ``method`` eagerly also inside ``torch.compile``d code.
+    """Run ``method`` eagerly also inside code compiled with ``torch.compile``.
 
     Relevance needs every op of the forward pass intercepted one by one, which a
     compiled graph does not allow: Dynamo breaks the graph here instead of
@@ -230,8 +240,8 @@ class LRP(Attribution):
     ----------
     model : nn.Module
         The model to explain. It is not modified: no parameter, flag, hook or
-        mode outlives a call. A ``torch.compile``d model is explained through the
-        module it was compiled from, and calls of this class run eagerly inside
+        mode outlives a call. A model compiled with ``torch.compile`` is explained
+        through the module it was compiled from, and calls of this class run eagerly inside
         compiled functions (a graph break), so compiling code around an
         attribution works.
     composite : Composite, str or None
@@ -243,7 +253,7 @@ class LRP(Attribution):
     guard : bool
         Check every op's relevance as it passes: NaN or infinite relevance, and
         rules that should conserve relevance but create some, are reported with
-        the op's module path (:class:`~relprop.engine.ConservationWarning`).
+        the op's module path (:class:`~relprop.ConservationWarning`).
 
     Notes
     -----
@@ -257,8 +267,15 @@ class LRP(Attribution):
 
     Examples
     --------
-    >>> lrp = relprop.LRP(model, "epsilon-plus-flat")
+    >>> import torch
+    >>> from torch import nn
+    >>> import relprop
+    >>> model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    >>> images, labels = torch.randn(2, 3, 8, 8), torch.tensor([3, 7])
+    >>> lrp = relprop.LRP(model.eval(), "epsilon-plus-flat")
     >>> relevance = lrp.attribute(images, target=labels)
+    >>> relevance.shape
+    torch.Size([2, 3, 8, 8])
     """
 
     multiplies_by_inputs = True
@@ -290,10 +307,18 @@ class LRP(Attribution):
 
         Examples
         --------
-        >>> x.requires_grad_(True)
+        >>> import torch
+        >>> from torch import nn
+        >>> import relprop
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+        >>> lrp = relprop.LRP(model)
+        >>> x = torch.randn(5, 4).requires_grad_(True)
         >>> with lrp.context():
         ...     out = model(x)
+        >>> my_relevance = out.detach() * torch.tensor([1.0, 0.0, 0.0])  # explain output 0
         >>> (relevance,) = torch.autograd.grad(out, x, grad_outputs=my_relevance)
+        >>> relevance.shape
+        torch.Size([5, 4])
         """
         with self._session() as session:
             yield session
@@ -309,7 +334,7 @@ class LRP(Attribution):
     @_eager
     def record(self, inputs: Inputs, additional_forward_args: Any = None, taps: Any = None,
                audit: Any = None) -> ForwardPass:
-        """Run the model once under the engine and keep the pass, for :meth:`ForwardPass.relevance`.
+        """Run the model once under the engine and keep the pass, for :meth:`~relprop.methods.ForwardPass.relevance`.
 
         Use it to choose the output relevance after seeing the output. A
         recorded pass carries relevance once: record again for another seed.
@@ -319,8 +344,17 @@ class LRP(Attribution):
 
         Examples
         --------
+        >>> import torch
+        >>> from torch import nn
+        >>> import relprop
+        >>> lrp = relprop.LRP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5)).eval())
+        >>> x = torch.randn(2, 4)
         >>> explained = lrp.record(x)
+        >>> explained.logits.shape
+        torch.Size([2, 5])
         >>> relevance, = explained.relevance(relprop.output_relevance(explained.logits, target=3))
+        >>> relevance.shape
+        torch.Size([2, 4])
         """
         inputs = as_tuple(inputs)
         if not inputs or not all(isinstance(x, Tensor) for x in inputs):
@@ -347,7 +381,7 @@ class LRP(Attribution):
             one relevance per token, in their shape: the relevance of the
             embedded vectors summed over the hidden dimension.
         target : int, tuple, list, Tensor, Contrastive or None
-            What to explain (captum's semantics, see :func:`target_mask`).
+            What to explain (captum's semantics, see :func:`~relprop.methods.target_mask`).
             The output relevance is the selected output value, so relevance
             sums to about ``f_t(x)``.
         additional_forward_args : tuple or dict, optional

@@ -218,7 +218,7 @@ class DeepLift(Attribution):
     maps multipliers so that the attributions sum to ``f(x) - f(baseline)``
     at the target exactly, also through functional ops, modules called
     several times, residual sums, ``cat``, in-place ops, max pooling,
-    softmax and normalisation (the table in :mod:`relprop.deeplift`).
+    softmax and normalisation (the table in :mod:`relprop.methods.deeplift_rules`).
 
     Parameters
     ----------
@@ -229,7 +229,17 @@ class DeepLift(Attribution):
 
     Examples
     --------
-    >>> attributions = relprop.methods.DeepLift(model).attribute(images, target=labels)
+    >>> import torch
+    >>> from torch import nn
+    >>> import relprop
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    >>> images, labels = torch.randn(2, 4), torch.tensor([0, 2])
+    >>> deeplift = relprop.methods.DeepLift(model)
+    >>> attributions, delta = deeplift.attribute(images, target=labels, return_convergence_delta=True)
+    >>> attributions.shape  # baselines: zeros
+    torch.Size([2, 4])
+    >>> bool(delta.abs().max() < 1e-5)  # they sum to f(x) - f(baseline)
+    True
     """
 
     def __init__(self, model: nn.Module, multiply_by_inputs: bool = True):
@@ -291,6 +301,8 @@ class DeepLiftShap(DeepLift):
                   additional_forward_args: Any = None, return_convergence_delta: bool = False) -> Any:
         """Mean DeepLift attributions over the baselines, shaped like the inputs.
 
+        Other parameters as for :meth:`DeepLift.attribute`.
+
         Parameters
         ----------
         baselines : Tensor or tuple of Tensors
@@ -299,8 +311,6 @@ class DeepLiftShap(DeepLift):
         return_convergence_delta : bool
             Also return the delta of every (input, baseline) pair, example-major:
             shape ``(N * K,)``, as captum.
-
-        Other parameters as for :meth:`DeepLift.attribute`.
         """
 
         items = format_inputs(inputs)
@@ -354,10 +364,11 @@ class LayerDeepLift(Attribution):
 
         Returns
         -------
-        A tensor shaped like the layer's output (or input), a tuple for tuple
-        outputs or several inputs, a list when the layer ran several times;
-        with ``return_convergence_delta``, also ``attributions total - (f(x) -
-        f(baseline))`` per example (for each call).
+        Tensor, tuple or list
+            A tensor shaped like the layer's output (or input), a tuple for tuple
+            outputs or several inputs, a list when the layer ran several times; with
+            ``return_convergence_delta``, also ``attributions total - (f(x) - f(baseline))``
+            per example (for each call).
         """
         items, starts = _format(inputs, baselines)
         tapper = Tapper(attribute_to_layer_input)

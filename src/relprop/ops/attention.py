@@ -46,7 +46,7 @@ class AttentionCall(OpCall):
 
     @property
     def roles(self) -> tuple[str, ...]:
-        """The names of the arguments that are activations, in the order of :attr:`inputs`."""
+        """The names of the arguments that are activations, in the order of :attr:`~relprop.engine.OpCall.inputs`."""
         return tuple(self._roles)
 
 

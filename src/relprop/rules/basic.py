@@ -41,7 +41,7 @@ class BasicRule(Rule[ParametricView]):
     ``reducer(inputs, grads)`` combines the modified inputs with the VJPs
     ``c_t = VJP_t(s_t)`` (default: ``sum_t input_t * c_t``).
 
-    That is the rule's reference form. Where :mod:`relprop.kernels` has a fused
+    That is the rule's reference form. Where :mod:`relprop.rules.kernels` has a fused
     form for these terms and this mapper (z+, alpha-beta, gamma, z^B, flat, w^2), it
     computes the same relevance with fewer passes over memory on the calls it
     serves; everything else takes the reference form.
@@ -82,7 +82,7 @@ class BasicRule(Rule[ParametricView]):
 
     @property
     def kernel(self) -> Kernel | None:
-        """The fused form chosen for these terms (:mod:`relprop.kernels`), or None: the reference form serves."""
+        """The fused form chosen for these terms (:mod:`relprop.rules.kernels`), or None: the reference form serves."""
         return self._kernel
 
     @property

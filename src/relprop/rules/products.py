@@ -94,7 +94,7 @@ class SignalTakesAll(Rule[Call]):
     """Gated products ``gate * signal``: the signal gets all relevance, the gate none.
 
     A factor is a gate when its tag (what produced it, :attr:`ProductView.factors
-    <relprop.contract.ProductView.factors>`) is one of ``gate_kinds``: by default
+    <relprop.rules.ProductView.factors>`) is one of ``gate_kinds``: by default
     a sigmoid (LSTM gates, Arras et al. 2017; squeeze-and-excitation), a
     normalising statistic (``x * rsqrt(var)``), a divisor and an exponential
     weight; CP-LRP adds attention weights (``"softmax"``) and activations of

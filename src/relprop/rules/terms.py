@@ -1,6 +1,6 @@
 """The vocabulary of the linear rules: terms (a weight map and an input map) and how they share relevance.
 
-:class:`~relprop.rules.BasicRule` is defined by these; :mod:`.kernels`
+:class:`~relprop.rules.BasicRule` is defined by these; :mod:`relprop.rules.kernels`
 recognises them to pick a fused form.
 """
 from __future__ import annotations

@@ -119,7 +119,7 @@ def _local(model: nn.Module) -> Iterator[nn.Module]:
 
 
 class RunMismatch(ValueError):
-    """The output folder holds the files of a different run (see :func:`explain_dataset`'s ``overwrite``)."""
+    """The output folder holds the files of a different run (see :func:`~relprop.explain_dataset`'s ``overwrite``)."""
 
 
 #: what each part of a run's fingerprint is, for the message when it differs
@@ -381,7 +381,7 @@ def explain_dataset(model: nn.Module, dataset: Any, out: str | Path, composite: 
         Remove the files of an earlier run in ``out`` and start afresh. Without
         it, a folder holding a run with another fingerprint (model weights,
         composite, transform, target, reduce, shard size, samples) raises
-        :class:`RunMismatch` saying what differs, and a run with the same
+        :class:`~relprop.workflows.dataset.RunMismatch` saying what differs, and a run with the same
         fingerprint resumes.
     sample_ids : sequence, optional
         One identity per sample (file names, database keys), in dataset order,

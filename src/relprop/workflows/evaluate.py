@@ -54,7 +54,7 @@ def pixel_flipping(model: nn.Module, inputs: Tensor, attribution: Tensor | None,
     attribution : Tensor of the inputs' shape, or None for a random order
         Regions (``region`` x ``region`` squares on a grid, all channels
         together) are ranked by their summed relevance.
-    target : captum-style target (see :func:`relprop.attribution.target_mask`)
+    target : captum-style target (see :func:`relprop.methods.target_mask`)
     steps : int
         Number of perturbation steps; step k has perturbed ``k / steps`` of all regions.
     region : int
