@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from relprop import composites
 from relprop.cli.app import IMAGENET_MEAN, IMAGENET_STD, CommandError
-from relprop.methods.attribution import model_logits
+from relprop.methods.targets import model_logits
 
 
 def _describe(path: Path) -> str:

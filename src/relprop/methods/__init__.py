@@ -9,21 +9,13 @@ DeepLift on the same engine (:class:`~relprop.DeepLift`, :class:`~relprop.DeepLi
 :class:`IntegratedGradients`, :class:`Occlusion`). Every class follows
 captum's ``Attribution`` protocol.
 """
-from relprop.methods.attribution import (
-                                         LRP,
-                                         Attribution,
-                                         Contrastive,
-                                         ForwardPass,
-                                         convergence_delta,
-                                         model_logits,
-                                         output_relevance,
-                                         target_mask,
-)
+from relprop.methods.attribution import LRP, Attribution, ForwardPass
 from relprop.methods.audit import Audit, AuditRow, audit
 from relprop.methods.bilrp import BiLRP
 from relprop.methods.deeplift import DeepLift, DeepLiftShap, LayerDeepLift
 from relprop.methods.gradients import GradientXInput, InputGradient, IntegratedGradients, Occlusion, SmoothGrad
 from relprop.methods.layer import LayerLRP, ModuleRelevance, module_relevance
+from relprop.methods.targets import Contrastive, convergence_delta, model_logits, output_relevance, target_mask
 
 __all__ = ["LRP", "LayerLRP", "ModuleRelevance", "module_relevance", "Audit", "AuditRow", "audit", "BiLRP",
            "Attribution", "Contrastive", "ForwardPass", "convergence_delta", "model_logits", "output_relevance",

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from relprop import composites
 from relprop.methods._inputs import as_tuple
-from relprop.methods.attribution import LRP, model_logits
+from relprop.methods.attribution import LRP
+from relprop.methods.targets import model_logits
 
 __all__ = ["BiLRP"]
 

@@ -31,10 +31,11 @@ from relprop.methods._inputs import (
     repeat_target,
     tile_arguments,
 )
-from relprop.methods.attribution import LRP, Attribution, _captum_entry, target_mask
+from relprop.methods.attribution import LRP, Attribution, _captum_entry
 from relprop.methods.deeplift_rules import _NORMS, DeepLiftComposite, VectorNormRescale
 from relprop.methods.gradients import _completeness_delta
 from relprop.methods.layer import Tapper, backward_to_taps, resolve_module
+from relprop.methods.targets import target_mask
 from relprop.ops.elementwise import IN_PLACE_ACTIVATIONS, IN_PLACE_NAMES, INPLACE_FLAG_ACTIVATIONS
 
 _T = torch.Tensor

@@ -33,7 +33,8 @@ from relprop.methods._inputs import (
     repeat_target,
     slice_arguments,
 )
-from relprop.methods.attribution import Attribution, _captum_entry, convergence_delta, model_logits, target_mask
+from relprop.methods.attribution import Attribution, _captum_entry
+from relprop.methods.targets import convergence_delta, model_logits, target_mask
 
 __all__ = ["InputGradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "Occlusion"]
 

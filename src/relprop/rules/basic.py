@@ -57,6 +57,7 @@ class BasicRule(Rule[ParametricView]):
     ----------
     terms : sequence of Term
     gradient_mapper : callable ``(relevance, outputs, z) -> list[Tensor]``
+        ``z`` is the op's output; None where the rule does not keep it (a :class:`Shares` that reads no output).
     reducer : callable ``(inputs, grads) -> Tensor``, optional
     zero_bias : bool
         Drop the bias from every term.
@@ -67,7 +68,7 @@ class BasicRule(Rule[ParametricView]):
     def __init__(
         self,
         terms: Sequence[Term],
-        gradient_mapper: Callable[[Tensor, list[Tensor], Tensor], list[Tensor]],
+        gradient_mapper: Callable[[Tensor, list[Tensor], Tensor | None], list[Tensor]],
         reducer: Callable[[list[Tensor], list[Tensor]], Tensor] | None = None,
         zero_bias: bool = False,
     ):

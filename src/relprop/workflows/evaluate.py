@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from relprop.methods.attribution import model_logits, target_mask
+from relprop.methods.targets import model_logits, target_mask
 
 __all__ = ["pixel_flipping", "aopc", "spearman", "randomization_check", "checkerboard"]
 
