@@ -171,6 +171,6 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path):
     pytest.importorskip("myst_parser", reason="myst-parser is not installed: pip install -e '.[docs]'")
     command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
                "-d", str(tmp_path / "doctrees"), str(DOCS), str(tmp_path / "html")]
-    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, f"sphinx-build -W failed:\n{done.stdout}\n{done.stderr}"
     assert (tmp_path / "html" / "api.html").exists()
