@@ -43,12 +43,13 @@ from relprop.methods import (
                              output_relevance,
 )
 from relprop.workflows.dataset import explain_dataset
+from relprop.workflows.generation import Generation, explain_generation
 
 __all__ = [
     "LRP", "LayerLRP", "Contrastive", "explain_dataset", "module_relevance", "ModuleRelevance", "audit", "Audit",
     "Composite", "composites", "rules", "methods", "Attribution", "output_relevance", "convergence_delta",
     "model_logits",
     "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning", "BiLRP", "DeepLift",
-    "DeepLiftShap", "LayerDeepLift", "ops",
+    "DeepLiftShap", "LayerDeepLift", "ops", "explain_generation", "Generation",
 ]
 __version__ = "0.1.0"

@@ -57,6 +57,25 @@ def _check_index(index: tuple, shape: torch.Size, target: Any) -> tuple[int, ...
     return tuple(checked)
 
 
+def _per_example(value: Any) -> bool:
+    """Whether an entry of a tuple target holds one index per example (a 1-D integer tensor, or a list)."""
+    if isinstance(value, Tensor):
+        return value.dim() == 1 and not value.is_floating_point() and value.dtype != torch.bool
+    return isinstance(value, list)
+
+
+def _per_example_targets(target: tuple, batch: int) -> list[tuple]:
+    """A tuple target with entries per example, as one tuple per example (an entry of one serves them all)."""
+    columns = [(value.tolist() if isinstance(value, Tensor) else list(value)) if _per_example(value) else None
+               for value in target]
+    lengths = {len(column) for column in columns if column is not None} - {1}
+    if len(lengths) > 1 or lengths and lengths != {batch}:
+        raise ValueError(f"relprop: target {target!r} holds {sorted(lengths)} indices per entry for a batch of "
+                         f"{batch} examples")
+    return [tuple(value if column is None else column[example if len(column) > 1 else 0]
+                  for value, column in zip(target, columns)) for example in range(batch)]
+
+
 def target_mask(output: Tensor, target: Target) -> Tensor:
     """A boolean mask of the output entries that ``target`` selects (captum's semantics).
 
@@ -64,7 +83,9 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
     dimension 1), a tuple indexing the dimensions after the batch dimension
     (``(-1, token)``), or a list / 1-D integer tensor with one such target per
     example. A list or tensor of one target is used for every example, as
-    captum does (``torch.tensor([2])`` for a batch of 4).
+    captum does (``torch.tensor([2])`` for a batch of 4). An entry of a tuple
+    may itself hold one index per example (``(-1, next_tokens)``, a 1-D
+    integer tensor or a list).
     """
     batch = output.shape[0] if output.dim() else 1
     mask = torch.zeros_like(output, dtype=torch.bool)
@@ -73,6 +94,8 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
             raise ValueError(f"relprop: the model output has shape {tuple(output.shape)}, more than one value per "
                              "example; pass target= to choose which one to explain")
         mask.fill_(True)
+    elif isinstance(target, tuple) and any(_per_example(value) for value in target):
+        return target_mask(output, _per_example_targets(target, batch))
     elif _is_index(target) or isinstance(target, tuple):
         index = _check_index(target if isinstance(target, tuple) else (target,), output.shape, target)
         key: tuple[slice | int, ...] = (slice(None), *index)

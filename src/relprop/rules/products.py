@@ -37,7 +37,8 @@ def attention_relevance(call: AttentionView, relevance: Tensor, epsilon: float,
         scores = scores.masked_fill(~causal, -math.inf)
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
-    weights = torch.softmax(scores, -1)
+    # a query with every key masked (left padding) attends to nothing: its softmax, NaN, is no weight
+    weights = torch.softmax(scores, -1).nan_to_num_(0.0)
     scaled = relevance * inverse_denominator(weights @ v_, epsilon)
     # each product splits its relevance over its activation factors: q or k alone (a decoder's query made
     # from constants, in cross-attention) takes all of q k^T's, and values next to constant weights all

@@ -1,0 +1,243 @@
+"""Explaining what a language model generates: the relevance of the context for every generated token.
+
+One forward pass over the prompt and the generated text, recorded once
+(:meth:`relprop.LRP.record`), and one seed per generated token: the logit of
+token ``g`` at the position that predicted it. Row ``g`` of the result is the
+relevance of every earlier token, prompt and generated, for that logit, as an
+attribution of the sequence cut after the position would give it.
+"""
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from relprop import composites
+from relprop.methods.attribution import LRP
+
+__all__ = ["Generation", "explain_generation"]
+
+
+@dataclass
+class Generation:
+    """A generation and the relevance of its context for each generated token.
+
+    Attributes
+    ----------
+    sequences : Tensor
+        ``(B, T + G)`` token ids: the prompts (left-padded to ``T``) followed by ``G`` generated tokens.
+    relevance : Tensor
+        ``(B, G, T + G)``: row ``g`` is the relevance of each position for the logit of generated token
+        ``g`` at the position that predicted it; zero from position ``T + g`` on, and on padding.
+    prompt_length : int
+        ``T``.
+    attention_mask : Tensor
+        ``(B, T + G)``: 1 for tokens, 0 for left padding.
+    tokens : list of list of str, optional
+        The tokens as text, per sequence, where a tokenizer was given.
+    """
+
+    sequences: Tensor
+    relevance: Tensor
+    prompt_length: int
+    attention_mask: Tensor
+    tokens: list[list[str]] | None = None
+
+    @property
+    def generated(self) -> Tensor:
+        """``(B, G)``: the generated token ids."""
+        return self.sequences[:, self.prompt_length:]
+
+    def html(self, index: int = 0) -> str:
+        """A page of sequence ``index``: hover or click a generated token to see its sources as a heatmap.
+
+        Self-contained (no script or style from elsewhere): it works offline. Each row is scaled to its own
+        largest relevance; the first token, where many models park attention (a sink), is left out of the
+        scale and marked, so that it does not wash out the rest.
+        """
+        keep = self.attention_mask[index].bool()
+        start = int((~keep).sum())  # left padding
+        words = self.tokens[index] if self.tokens is not None else [str(t) for t in self.sequences[index].tolist()]
+        rows = self.relevance[index][:, start:].double()
+        scales = [_scale(row[1:self.prompt_length - start + g]) for g, row in enumerate(rows)]
+        prompt = self.prompt_length - start
+        data = {"rows": [[round(v, 6) for v in row.tolist()] for row in rows], "scales": scales, "prompt": prompt}
+        spans = "".join(f'<span class="t{" gen" if i >= prompt else ""}" data-i="{i}">'
+                        f"{html.escape(word)}</span>" for i, word in enumerate(words[start:]))
+        return _PAGE.replace("__SPANS__", spans).replace("__DATA__", json.dumps(data))
+
+
+def _scale(row: Tensor) -> float:
+    """The largest relevance in absolute value of ``row`` (1 where it is empty or zero)."""
+    largest = float(row.abs().max()) if row.numel() else 0.0
+    return largest if largest > 0 else 1.0
+
+
+_PAGE = """<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>relprop: relevance of the context for each generated token</title>
+<style>
+body { font-family: sans-serif; max-width: 60em; margin: 2em auto; line-height: 2.1; }
+.t { font-family: monospace; white-space: pre-wrap; padding: 2px 0; border-radius: 3px; }
+.gen { text-decoration: underline dotted; cursor: pointer; }
+.gen.on { outline: 2px solid black; }
+.sink { border-bottom: 3px double grey; }
+#note { color: #555; font-size: 90%; line-height: 1.4; }
+</style></head><body>
+<p id="note">Hover over (or click) an underlined, generated token: the text before it is coloured by its
+relevance for that token, red for evidence for it, blue against it, each token on the scale of the largest
+relevance after the first (the first token, double underlined, often holds much of it: its value shows on
+hover).</p>
+<div id="text">__SPANS__</div>
+<script>
+const data = __DATA__;
+const spans = Array.from(document.querySelectorAll(".t"));
+function colour(v) {  // white at 0, red at +1, blue at -1
+  const a = Math.min(1, Math.abs(v)), c = Math.round(255 * (1 - a));
+  return v >= 0 ? `rgb(255,${c},${c})` : `rgb(${c},${c},255)`;
+}
+function show(g) {
+  const row = data.rows[g], scale = data.scales[g], at = data.prompt + g;
+  spans.forEach((s, i) => {
+    s.classList.toggle("on", i === at);
+    s.classList.toggle("sink", i === 0);
+    s.style.background = i < at ? colour(row[i] / scale) : "";
+    s.title = i < at ? `relevance ${row[i].toPrecision(3)}` : "";
+  });
+}
+spans.forEach((s, i) => {
+  if (i >= data.prompt) {
+    s.addEventListener("mouseenter", () => show(i - data.prompt));
+    s.addEventListener("click", () => show(i - data.prompt));
+  }
+});
+if (data.rows.length) show(0);
+</script></body></html>
+"""
+
+
+def _as_ids(value: Any, tokenizer: Any, name: str) -> Tensor:
+    """Token ids from a tensor, or from text with the tokenizer, as a ``(B, n)`` long tensor."""
+    if isinstance(value, str):
+        if tokenizer is None:
+            raise ValueError(f"relprop: {name} is text; pass tokenizer= to turn it into token ids")
+        value = tokenizer(value, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    ids = torch.as_tensor(value)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.is_floating_point():
+        raise ValueError(f"relprop: {name} must be token ids of shape (batch, length), got shape {tuple(ids.shape)}")
+    return ids.long()
+
+
+def explain_generation(model: nn.Module, input_ids: Tensor | str, max_new_tokens: int | None = None,
+                       continuation: Tensor | str | None = None, composite: composites.Composite | str = "attnlrp",
+                       attention_mask: Tensor | None = None, tokenizer: Any = None,
+                       **generate_kwargs: Any) -> Generation:
+    """The relevance of the context for every token a causal language model generates.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A causal language model with Hugging Face's interface (``model.generate``, ``logits``).
+    input_ids : Tensor or str
+        ``(B, T)`` prompt token ids, left-padded for prompts of different lengths (with ``attention_mask``),
+        or one prompt as text (with ``tokenizer``).
+    max_new_tokens : int, optional
+        How many tokens to generate (greedy unless ``generate_kwargs`` say otherwise); 16 when neither it
+        nor ``continuation`` is given.
+    continuation : Tensor or str, optional
+        ``(B, G)`` token ids (or text) to explain instead of generating: teacher-forced after the prompt.
+    composite : Composite or str
+        The rules (AttnLRP by default).
+    attention_mask : Tensor, optional
+        ``(B, T)``: 1 for prompt tokens, 0 for left padding.
+    tokenizer : optional
+        A Hugging Face tokenizer: text prompts, and :attr:`Generation.tokens`.
+    **generate_kwargs
+        Passed to ``model.generate``.
+
+    Returns
+    -------
+    Generation
+        One forward pass over the whole sequence, and one backward pass per generated token.
+
+    Examples
+    --------
+    >>> import torch, transformers
+    >>> import relprop
+    >>> config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+    ...                                   num_attention_heads=2, num_key_value_heads=1, intermediate_size=32)
+    >>> model = transformers.LlamaForCausalLM(config).eval()
+    >>> found = relprop.explain_generation(model, torch.tensor([[3, 7, 9, 4]]), max_new_tokens=3)
+    >>> found.sequences.shape, found.relevance.shape
+    (torch.Size([1, 7]), torch.Size([1, 3, 7]))
+    """
+    prompt = _as_ids(input_ids, tokenizer, "input_ids")
+    batch, length = prompt.shape
+    mask = torch.ones_like(prompt) if attention_mask is None else torch.as_tensor(attention_mask).long()
+    if mask.shape != prompt.shape:
+        raise ValueError(f"relprop: attention_mask has shape {tuple(mask.shape)}; the prompts have "
+                         f"{tuple(prompt.shape)}")
+    if continuation is not None:
+        if max_new_tokens is not None or generate_kwargs:
+            raise ValueError("relprop: continuation is explained as given; max_new_tokens and generate arguments "
+                             "do not apply to it")
+        following = _as_ids(continuation, tokenizer, "continuation")
+        if following.shape[0] != batch:
+            following = following.expand(batch, -1) if following.shape[0] == 1 else following
+        if following.shape[0] != batch:
+            raise ValueError(f"relprop: {following.shape[0]} continuations for {batch} prompts")
+        sequences = torch.cat([prompt, following.to(prompt.device)], 1)
+    else:
+        options = {"do_sample": False, "max_new_tokens": 16 if max_new_tokens is None else max_new_tokens,
+                   **generate_kwargs}
+        if getattr(getattr(model, "generation_config", None), "pad_token_id", None) is None:
+            options.setdefault("pad_token_id", getattr(getattr(model, "config", None), "eos_token_id", None) or 0)
+        generate = getattr(model, "generate", None)
+        if generate is None:
+            raise TypeError(f"relprop: {type(model).__name__} has no generate(); pass the text to explain as "
+                            "continuation=")
+        with torch.no_grad():
+            sequences = generate(prompt, attention_mask=mask, **options)
+    generated = sequences.shape[1] - length
+    full_mask = torch.cat([mask, torch.ones(batch, generated, dtype=mask.dtype, device=mask.device)], 1)
+    relevance = torch.zeros(batch, generated, sequences.shape[1], dtype=torch.float32)
+    if generated:
+        relevance = _relevance(model, composite, sequences, full_mask, length)
+    tokens = None
+    if tokenizer is not None:
+        tokens = [tokenizer.convert_ids_to_tokens(row) for row in sequences.tolist()]
+        tokens = [[_readable(tokenizer, token) for token in row] for row in tokens]
+    return Generation(sequences, relevance, length, full_mask, tokens)
+
+
+def _relevance(model: nn.Module, composite: composites.Composite | str, sequences: Tensor, mask: Tensor,
+               length: int) -> Tensor:
+    """``(B, G, T + G)``: one recorded pass over all but the last token, one seed per generated token."""
+    inputs = sequences[:, :-1]
+    attention = mask[:, :-1]
+    # the positions generate() used: counted from the first token of each (left-padded) prompt
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    explained = LRP(model, composite).record(inputs, {"attention_mask": attention, "position_ids": positions})
+    logits = explained.logits
+    batch, generated = sequences.shape[0], sequences.shape[1] - length
+    rows = torch.arange(batch, device=logits.device)
+    found = torch.zeros(batch, generated, sequences.shape[1], dtype=logits.dtype)
+    for g in range(generated):
+        seed = torch.zeros_like(logits)
+        tokens = sequences[:, length + g].to(logits.device)
+        seed[rows, length + g - 1, tokens] = logits.detach()[rows, length + g - 1, tokens]
+        (relevance,) = explained.relevance(seed)
+        # nothing after the predicting position reaches its logit in a causal model, padding takes none
+        found[:, g, :length + g] = (relevance[:, :length + g] * attention[:, :length + g]).detach().cpu()
+    return found
+
+
+def _readable(tokenizer: Any, token: str) -> str:
+    """A token as it reads in the text (byte-level BPE's ``Ġ`` is a space)."""
+    text = tokenizer.convert_tokens_to_string([token])
+    return text if text else token
