@@ -440,11 +440,16 @@ def parts() -> dict[str, Callable]:
     """The parts of relprop's work per op that ``--profile`` reports, each by the function that does it.
 
     Looked up when asked, so that the rest of this script also times other versions of relprop."""
-    from relprop import engine, graph, rules, tracking
+    from relprop import engine, rules
+    try:  # the layered package
+        from relprop.engine import nodes as graph
+        tracking = engine
+    except ImportError:  # versions before it
+        from relprop import graph, tracking  # type: ignore[no-redef]
 
     return {"interception, forward pass (`Session.__torch_function__`)": engine.Session.__torch_function__,
-            "op records (`OpCall.__init__`)": graph.OpCall.__init__,
-            "autograd node and forward value (`graph.propagate`)": graph.propagate,
+            "op records (`OpCall.__init__`)": engine.OpCall.__init__ if hasattr(engine, "OpCall") else graph.OpCall.__init__,
+            "autograd node and forward value (`propagate`)": graph.propagate,
             "alias bookkeeping (`AliasTracker.recorded`)": tracking.AliasTracker.recorded,
             "rule choice (`Session.rule_for`)": engine.Session.rule_for,
             "backward node (`_Propagate.backward`)": graph._Propagate.backward,

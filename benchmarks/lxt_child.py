@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-from relprop.methods.attribution import target_mask  # noqa: E402
+from relprop.methods import target_mask  # noqa: E402
 
 
 def load_lxt() -> tuple[types.ModuleType, types.ModuleType]:

@@ -25,7 +25,7 @@ myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
 
 # autodoc: documented by the public path (relprop.LRP, relprop.rules.Epsilon), members in __all__ order
-autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": False}
+autodoc_default_options = {"members": True, "member-order": "bysource"}
 autodoc_typehints = "description"
 add_module_names = True
 
@@ -42,24 +42,7 @@ html_static_path: list[str] = []
 # patched here, in the build only, until the docstring itself is fixed; then the build fails with "remove it from
 # DOCSTRING_FIXES" so that the entry goes. Each entry: object (its public path) -> (text in the docstring, text the
 # build uses instead).
-DOCSTRING_FIXES: dict[str, tuple[str, str]] = {
-    # "``torch.compile``d": an inline literal followed by a letter does not end (docutils)
-    "relprop.LRP": ("A ``torch.compile``d model", "A model compiled with ``torch.compile``"),
-    # a paragraph right after the Parameters section ends its field list without a blank line (docutils)
-    "relprop.DeepLiftShap.attribute": ("Other parameters as for :meth:`DeepLift.attribute`.", ""),
-    # a Returns section without a type line: napoleon splits the paragraph inside an inline literal (docutils)
-    "relprop.LayerDeepLift.attribute": (
-        ("-------\nA tensor shaped like the layer's output (or input), a tuple for tuple\noutputs or several inputs, "
-        "a list when the layer ran several times;\nwith ``return_convergence_delta``, also ``attributions total - "
-        "(f(x) -\nf(baseline))`` per example (for each call)."),
-        ("-------\nTensor, tuple or list\n    A tensor shaped like the layer's output (or input), a tuple for tuple\n"
-        "    outputs or several inputs, a list when the layer ran several times; with\n"
-        "    ``return_convergence_delta``, also ``attributions total - (f(x) - f(baseline))``\n"
-        "    per example (for each call).")),
-    # "|relevance|" is a reST substitution reference (docutils: undefined substitution)
-    "relprop.viz.scale_of": ("max |relevance|", "max ``|relevance|``"),
-    "relprop.viz.heatmap": ("Percentile of |relevance|", "Percentile of ``|relevance|``"),
-}
+DOCSTRING_FIXES: dict[str, tuple[str, str]] = {}
 
 
 def _fix_docstring(app, what, name, obj, options, lines):

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from relprop import atlas, demo
+from relprop.viz import atlas
+from relprop.workflows import mnist as demo
 from relprop.workflows.concepts import reference_samples
 
 LAYERS = ["features.3", "classifier.1"]

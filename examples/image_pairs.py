@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import relprop
-from relprop import demo, pairplot
+from relprop.viz import pairplot
+from relprop.workflows import mnist as demo
 
 PATCH = 4  # pixels per side of a patch: a 7 x 7 grid on a 28 x 28 digit
 

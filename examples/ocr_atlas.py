@@ -35,7 +35,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from relprop import atlas
+from relprop.viz import atlas
 from relprop.workflows.concepts import reference_samples
 
 LAYERS = ["recognizer.FeatureExtraction.ConvNet.9", "recognizer.FeatureExtraction.ConvNet.16"]

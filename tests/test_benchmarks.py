@@ -95,7 +95,7 @@ def test_lxt_patches_come_off_after_each_run_also_on_an_error():
 def test_the_gradient_loop_writes_each_samples_input_gradient_in_shards(tmp_path):
     import dataset_throughput
     from relprop import output_relevance
-from relprop.cli import demo
+    from relprop.workflows import mnist as demo
     from relprop.workflows.dataset import load_shard
 
     torch.manual_seed(0)

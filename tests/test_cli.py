@@ -25,7 +25,7 @@ MNIST = ("--model", "cli_factory:small_cnn", "--size", 28, "--channels", 1)
 def relprop_run(*args, cwd, path=(TESTS,)):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (SOURCE, *path)))}
     return subprocess.run([str(COMMAND), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=300)
+                          timeout=1800)
 
 
 def files_below(folder):
@@ -255,11 +255,11 @@ def test_ctrl_c_ends_with_one_line_and_keeps_the_finished_images(tmp_path):
     process = subprocess.Popen([str(COMMAND), "explain", *map(str, paths), "--model", "cli_factory:slow_cnn",
                                 "--size", "28", "--channels", "1", "--batch-size", "1", "--out", str(tmp_path / "out")],
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 1800  # a hang guard: a loaded machine may take minutes
     while not (tmp_path / "out" / "explain.json").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
+    _, stderr = process.communicate(timeout=1800)
     assert process.returncode == 130
     assert stderr.splitlines() == ["relprop explain: error: interrupted; the files finished so far are kept"]
     finished = json.loads((tmp_path / "out" / "explain.json").read_text())
@@ -292,7 +292,7 @@ def stderr_on_a_terminal(args, cwd):
         if not chunk:
             break
         chunks.append(chunk)
-    assert process.wait(timeout=300) == 0
+    assert process.wait(timeout=1800) == 0
     os.close(master)
     return b"".join(chunks).decode(errors="replace")
 

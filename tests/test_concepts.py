@@ -154,10 +154,10 @@ def test_torchrun_with_two_processes_equals_one(tmp_path):
     env = environment()
     job = [str(TESTS / "dataset_job.py")]
     one = subprocess.run([sys.executable, *job, str(tmp_path / "one"), "--concepts"], env=env, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=1800)
     assert one.returncode == 0, one.stderr
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *job,
-                          str(tmp_path / "two"), "--concepts"], env=env, capture_output=True, text=True, timeout=300)
+                          str(tmp_path / "two"), "--concepts"], env=env, capture_output=True, text=True, timeout=1800)
     assert two.returncode == 0, two.stderr
     single, both = load_reference_samples(tmp_path / "one"), load_reference_samples(tmp_path / "two")
     assert list(single) == ["1", "4"]

@@ -20,7 +20,7 @@ D = torch.float64
 def target_values(model, x, target):
     with torch.no_grad():
         out = model(x)
-    return (out * relprop.methods.attribution.target_mask(out, target)).flatten(1).sum(1)
+    return (out * relprop.methods.target_mask(out, target)).flatten(1).sum(1)
 
 
 def assert_complete(model, x, baseline, target, rtol=1e-8):

@@ -3,7 +3,10 @@ import pytest
 import torch
 
 pytest.importorskip("mlxtend")
-from relprop import LRP, composites, demo, evaluate, methods  # noqa: E402
+from relprop import LRP, composites, methods  # noqa: E402
+from relprop.cli.demo import PROTOCOLS  # noqa: E402
+from relprop.workflows import evaluate  # noqa: E402
+from relprop.workflows import mnist as demo  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def aopc(trained):
         attributions[name] = LRP(model, composite).attribute(batch, target=target)
     return {protocol: {name: evaluate.aopc(evaluate.pixel_flipping(
         model, batch, attribution, target, **arguments, generator=torch.Generator().manual_seed(0))).mean().item()
-        for name, attribution in attributions.items()} for protocol, arguments in demo.PROTOCOLS.items()}
+        for name, attribution in attributions.items()} for protocol, arguments in PROTOCOLS.items()}
 
 
 def test_every_lrp_preset_beats_random_and_gradient_by_region_perturbation(aopc):

@@ -151,7 +151,7 @@ def test_example_writes_its_own_folder_and_no_colour_codes_into_a_file(tmp_path)
     environment = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1] / "src"), HF_HUB_OFFLINE="1")
     result = subprocess.run([sys.executable, str(EXAMPLES / "sentence_similarity.py"), "--pairs", "1", "--out",
                              str(tmp_path / "similarity")], check=False, capture_output=True, text=True,
-                            env=environment, timeout=300)
+                            env=environment, timeout=1800)
     assert result.returncode == 0, result.stderr
     assert "\x1b[" not in result.stdout and "guitar" in result.stdout
     written = sorted(path.name for path in (tmp_path / "similarity").iterdir())

@@ -2,9 +2,15 @@
 
 Quick start
 -----------
+>>> import torch
+>>> from torch import nn
 >>> import relprop
+>>> model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10)).eval()
+>>> images, labels = torch.randn(2, 3, 8, 8), torch.tensor([3, 7])
 >>> lrp = relprop.LRP(model, "epsilon-plus-flat")
->>> relevance = lrp.attribute(images, target=labels)
+>>> relevance = lrp.attribute(images, target=labels)  # one heatmap per image, for its label
+>>> relevance.shape
+torch.Size([2, 3, 8, 8])
 
 Modules: :mod:`relprop.rules` (how relevance crosses one op),
 :mod:`relprop.composites` (which op gets which rule, presets),
@@ -12,7 +18,7 @@ Modules: :mod:`relprop.rules` (how relevance crosses one op),
 torch functions), :mod:`relprop.methods` (LRP and this public API, relevance
 inside the model, the audit, BiLRP, DeepLift and gradient methods for
 comparison), :mod:`relprop.workflows` (datasets, concepts, evaluation),
-:mod:`relprop.viz` (pictures) and :mod:`relprop.cli` (the command line). Every attribution
+:mod:`relprop.viz` (pictures) and ``relprop.cli`` (the command line). Every attribution
 class follows captum's ``Attribution`` protocol, so captum's ``NoiseTunnel``
 and metrics take it.
 """

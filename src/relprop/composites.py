@@ -5,11 +5,11 @@ relevance through it. The answer is found in this order, first match wins:
 
 1. ``module.rule`` set on the module that issued the op (captum's convention);
    it must be able to apply to every rule-bearing op of that module, else
-   :class:`~relprop.engine.RuleError` is raised.
+   :class:`~relprop.RuleError` is raised.
 2. ``name_map``: the first ``(pattern, rule)`` whose shell-style pattern
    (``fnmatch``) matches the dotted module path.
 3. ``func_map``: the rule for the torch function the op calls, matched by
-   name with its aliases (:func:`function_name`); like ``module.rule`` it
+   name with its aliases (:func:`~relprop.composites.function_name`); like ``module.rule`` it
    must apply to every call it matches.
 4. ``first``: the rule for a *first layer*, a convolution or dense op fed by
    a model input through routing ops only (reshape, pad, ...).
@@ -32,7 +32,7 @@ the kinds it is about (``rule.kinds``): a name pattern that matches a whole
 block gives its rule to the block's convolutions and leaves its activations
 to the default. A rule that is about an op's kind but cannot apply to it
 (Pass on a convolution that changes the shape) raises
-:class:`~relprop.engine.RuleError`.
+:class:`~relprop.RuleError`.
 
 BatchNorm directly after a convolution or dense op is merged into it first,
 unless the BatchNorm module has a ``rule`` of its own.
@@ -49,7 +49,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from relprop import rules
-from relprop._core.kinds import OpKind
+from relprop._core.kinds import GATE_TAGS, OpKind
 from relprop._core.registry import HANDLERS, ROUTING_HANDLERS, op_name
 from relprop._core.rule import Rule
 from relprop.engine.calls import OpCall
@@ -146,8 +146,8 @@ class Composite:
         the ``Tensor`` methods (``F.relu``, ``torch.relu``, ``x.relu()``),
         their in-place forms (``relu_``, ``x += y`` for ``torch.add``) and
         operators (``x + y``, ``2 - x``, ``x / y``, ``x @ y``); see
-        :func:`function_name`. Like ``module.rule`` the rule must apply to
-        every call it matches, else :class:`~relprop.engine.RuleError`. A
+        :func:`~relprop.composites.function_name`. Like ``module.rule`` the rule must apply to
+        every call it matches, else :class:`~relprop.RuleError`. A
         function that relevance only passes through (``reshape``,
         ``torch.max``) or that relprop has no op for raises ``ValueError``.
     smooth_stride : bool
@@ -166,7 +166,7 @@ class Composite:
 
     #: what makes a factor of a product a gate that takes no relevance: a sigmoid output, a normalising
     #: statistic (``x * rsqrt(var)``), a divisor, an exponential weight (``exp(k - max) * v``)
-    gate_kinds: frozenset[str] = frozenset({"sigmoid", "statistic", "divisor", "exp"})
+    gate_kinds: frozenset[str] = GATE_TAGS
 
     def __init__(self, epsilon: float = 1e-6, conv: Rule | None = None, dense: Rule | None = None,
                  first: Mapping[str, Rule] | None = None, layer_map: _TypeMap | None = None,
@@ -231,7 +231,7 @@ class Composite:
 
     #: the default rule of each op kind, as the name of the composite's attribute that holds it (read at each op,
     #: so a preset or a user that sets ``composite.dense = ...`` changes it). Products choose among three rules
-    #: (:meth:`_product`). A kind not listed (max pooling, unknown ops) gets None: winner-take-all, the gradient
+    #: (``Composite._product``). A kind not listed (max pooling, unknown ops) gets None: winner-take-all, the gradient
     DEFAULTS: Mapping[OpKind, str] = MappingProxyType({
         OpKind.CONV: "conv",
         OpKind.DENSE: "dense",
@@ -351,7 +351,7 @@ class CPLRP(AttnLRP):
     values and the gated signal. On a bias-free model it conserves exactly.
     """
 
-    gate_kinds = frozenset({"sigmoid", "statistic", "divisor", "exp", "activation", "softmax"})
+    gate_kinds = GATE_TAGS | {"activation", "softmax"}
 
     def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs: Any) -> None:
         super().__init__(gamma, epsilon, **kwargs)

@@ -80,10 +80,12 @@ def torch_and_tensor(names: str) -> list[Callable]:
     return lookup(torch, names) + lookup(_T, names)
 
 
+#: the handler of each torch function that relprop intercepts (filled by the op families as they are imported)
 HANDLERS: dict[Callable, Handler] = {}
 
 
 def register(handler: Handler, *funcs_lists: list[Callable]) -> None:
+    """Make ``handler`` the handler of every function in ``funcs_lists`` (entries of ``HANDLERS``)."""
     for funcs in funcs_lists:
         for func in funcs:
             HANDLERS[func] = handler

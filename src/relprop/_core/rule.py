@@ -13,7 +13,7 @@ from relprop._core.contract import Call
 from relprop._core.kinds import OpKind
 from relprop._core.tensors import sum_to
 
-#: the view of an op call that a rule reads (:mod:`relprop.contract`)
+#: the view of an op call that a rule reads (:mod:`relprop.rules`)
 C_contra = TypeVar("C_contra", bound=Call, contravariant=True)
 
 
@@ -22,7 +22,7 @@ class Rule(Generic[C_contra]):
 
     Subclasses set :attr:`kinds` (the op kinds they apply to) and implement
     :meth:`propagate`. ``C_contra`` is the view of the op call the rule reads
-    (:mod:`relprop.contract`): ``Rule[ParametricView]`` for a rule of
+    (:mod:`relprop.rules`): ``Rule[ParametricView]`` for a rule of
     convolutions and dense layers.
 
     The flags below tell the engine what to keep for the rule. Each defaults
@@ -58,7 +58,7 @@ class Rule(Generic[C_contra]):
 
         Such a rule hands on ``sum_k R_k z_k / (z_k + eps)``, never more than
         ``sum_k |R_k|``; the engine reports an op whose rule says so but hands on
-        more (:class:`~relprop.engine.ConservationWarning`). False unless a rule
+        more (:class:`~relprop.ConservationWarning`). False unless a rule
         says so: biases and bounds take or give relevance by design.
         """
         return False

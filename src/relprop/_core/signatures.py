@@ -21,7 +21,10 @@ def _parameters(func: Callable) -> tuple[tuple[str, ...], tuple[str, ...], froze
 
     None if ``func`` takes ``*args`` or ``**kwargs``.
     """
-    parameters = _signature(func).parameters.values()  # type: ignore[union-attr]
+    signature = _signature(func)
+    if signature is None:  # a builtin without a signature: bind() says so
+        return None
+    parameters = signature.parameters.values()
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
         return None
     return (tuple(p.name for p in parameters),
@@ -41,7 +44,10 @@ def bind(func: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
             values = {**defaults, **dict(zip(given, args)), **kwargs}
             if len(values) == len(names):  # every parameter has a value
                 return {name: values[name] for name in names}
-    bound = _signature(func).bind(*args, **kwargs)  # type: ignore[union-attr]  # raises TypeError on bad arguments
+    signature = _signature(func)
+    if signature is None:
+        raise TypeError(f"relprop: {getattr(func, '__name__', func)!r} has no signature to bind its arguments to")
+    bound = signature.bind(*args, **kwargs)  # raises TypeError on bad arguments
     bound.apply_defaults()
     return dict(bound.arguments)
 

@@ -1,10 +1,19 @@
 """Tensor utilities: what counts as an activation, and gradients summed back to a shape."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
+
+# private functions of torch._C that its type stubs lack, looked up once (they run for many ops)
+#: whether two tensors share memory (views and aliases included)
+is_alias_of: Callable[[Tensor, Tensor], bool] = getattr(torch._C, "_is_alias_of")
+#: the address of a tensor's memory: a key for it that makes no storage object (one would count as a reference)
+storage_address: Callable[[Tensor], int] = getattr(torch._C, "_storage_address")
+#: the references to the memory at an address; None where this torch does not expose the count
+storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 _Parameter = torch.nn.Parameter  # looked up once: `torch.nn.Parameter` costs three attribute lookups per call
 

@@ -64,7 +64,7 @@ class Command(click.Command):
                 raise
             failure = CommandError(_missing_extra(error) if isinstance(error, ModuleNotFoundError) else
                                    f"{type(error).__name__}: {error} (rerun with --debug for the traceback)")
-        failure.ctx = getattr(failure, "ctx", None) or ctx  # type: ignore[attr-defined]  # names the command
+        setattr(failure, "ctx", getattr(failure, "ctx", None) or ctx)  # names the command
         raise failure
 
 

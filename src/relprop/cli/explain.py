@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from relprop.cli.app import (
     CommandError,
@@ -20,8 +20,17 @@ from relprop.cli.app import (
     out_option,
     preset_option,
 )
-from relprop.cli.inputs import _composite, _output_names, _predict, load_images, load_model, readable_images
-from relprop.methods.attribution import LRP, output_relevance
+from relprop.cli.inputs import (
+    _composite,
+    _output_names,
+    load_images,
+    load_model,
+    predict,
+    readable_images,
+    shape_advice,
+)
+from relprop.methods.attribution import LRP
+from relprop.workflows.dataset import explain_batch
 
 
 @app.command()
@@ -78,7 +87,7 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
         for start in range(0, len(paths), batch_size):
             batch = slice(start, start + batch_size)
             inputs, raw = load_images(paths[batch], size, normalize, channels)
-            entries, relevance = _explain_batch(network, lrp, inputs, target)
+            entries, relevance = _explain_batch(lrp, inputs, target)
             for entry, path, name, image, rel in zip(entries, paths[batch], names[batch], raw, relevance):
                 files = {kind: out / f"{name}_{kind}.png" for kind in ("relevance", "overlay")}
                 entry = {"image": path, **entry, **{kind: str(file) for kind, file in files.items()}}
@@ -98,12 +107,10 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
                               clip=clip)
 
 
-def _explain_batch(network: nn.Module, lrp: LRP, inputs: Tensor, target: int | None) -> tuple[list[dict], Tensor]:
+def _explain_batch(lrp: LRP, inputs: Tensor, target: int | None) -> tuple[list[dict], Tensor]:
     """One batch explained: per image its target, prediction, logit and relevance sum; and the relevance."""
-    explained = _predict(network, inputs, lrp)
-    logits = explained.logits.detach()
-    chosen = _targets(target, logits)
-    (relevance,) = explained.relevance(output_relevance(explained.logits, chosen))
+    with shape_advice(inputs):
+        relevance, logits, chosen = explain_batch(lrp, inputs, lambda logits: _targets(target, logits))
     entries = [{"target": t, "prediction": int(row.argmax()), "logit": row[t].item(), "relevance_sum": r.sum().item()}
                for t, row, r in zip(chosen, logits, relevance)]
     return entries, relevance
@@ -180,7 +187,7 @@ def evaluate(images: tuple[str, ...], model: str, weights: str | None, random_we
     paths = readable_images(images, channels)
     network = load_model(model, weights, random_weights)
     inputs, _ = load_images(paths, size, normalize, channels)
-    target = torch.tensor(_targets(None, _predict(network, inputs)))
+    target = torch.tensor(_targets(None, predict(network, inputs)))
     explainers: dict[str, Any] = {f"LRP {preset}": LRP(network, _composite(preset, normalize, channels)),
                                   "Gradient": methods.InputGradient(network),
                                   "Integrated Gradients": methods.IntegratedGradients(network)}

@@ -6,7 +6,8 @@ import os
 import pickle
 import sys
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch import Tensor, nn
 
 from relprop import composites
 from relprop.cli.app import IMAGENET_MEAN, IMAGENET_STD, CommandError
-from relprop.methods.attribution import LRP, model_logits
+from relprop.methods.targets import model_logits
 
 
 def _describe(path: Path) -> str:
@@ -134,19 +135,24 @@ def load_model(spec: str, weights: str | None = None, random_weights: bool = Fal
     return model if path.suffix == ".pt2" else model.eval()
 
 
-def _predict(model: nn.Module, inputs: Tensor, explainer: LRP | None = None) -> Any:
-    """The model's output (or ``explainer.record``), with a shape error turned into advice on the flags."""
+@contextmanager
+def shape_advice(inputs: Tensor) -> Iterator[None]:
+    """A model's error about the shape of ``inputs`` turned into advice on ``--size`` and ``--channels``."""
     try:
-        if explainer is not None:
-            return explainer.record(inputs)
-        with torch.no_grad():
-            return model_logits(model(inputs))
-    except RuntimeError as error:
-        if "shape" in str(error) or "size" in str(error) or "channels" in str(error):
-            raise CommandError(f"the model cannot take images of shape {tuple(inputs.shape[1:])} "
-                               f"({' '.join(str(error).split())}); set --size and --channels to what it expects, "
-                               "e.g. --size 28 --channels 1 for MNIST") from None
+        yield
+    except (RuntimeError, AssertionError) as error:  # AssertionError: timm's and torchvision's ViTs check the size
+        text = " ".join(str(error).split())
+        if isinstance(error, AssertionError) or "shape" in text or "size" in text or "channels" in text:
+            raise CommandError(f"the model cannot take images of shape {tuple(inputs.shape[1:])}"
+                               f"{f' ({text})' if text else ''}; set --size and --channels to what it expects, "
+                               "e.g. --size 28 --channels 1 for MNIST, --size 224 for ImageNet models") from None
         raise
+
+
+def predict(model: nn.Module, inputs: Tensor) -> Tensor:
+    """The model's logits for ``inputs``, with a shape error turned into advice on the flags."""
+    with shape_advice(inputs), torch.no_grad():
+        return model_logits(model(inputs))
 
 
 # ---------------------------------------------------------------------------------------------------------------

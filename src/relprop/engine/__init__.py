@@ -1,8 +1,8 @@
 """The engine: one attribution forward pass under a torch function mode, and its relevance nodes.
 
 A :class:`Session` intercepts every torch function the model calls and hands
-it to its op family (:mod:`relprop.ops`, looked up in the registry of
-:mod:`relprop._core.registry`); an op with a rule becomes an :class:`OpCall`
+it to its op family (:mod:`relprop.ops`, looked up in the registry
+``relprop.ops.HANDLERS``); an op with a rule becomes an :class:`OpCall`
 and one autograd node (:func:`propagate`) whose backward applies the rule.
 The engine knows rules only through the :class:`~relprop._core.rule.Rule`
 base: it imports neither :mod:`relprop.rules` nor the op families.

@@ -1,7 +1,7 @@
 """Op calls: one operation of the forward pass, as its rule sees it.
 
 Every intercepted operation becomes one :class:`OpCall` (or a subclass) and
-one node of the autograd graph (:mod:`.nodes`). Rules that need the op's
+one node of the autograd graph (``relprop.engine.nodes``). Rules that need the op's
 own vector-Jacobian product (epsilon-type rules) get it from a small private
 autograd graph recorded during the forward pass, so nothing is re-run in the
 backward pass.
@@ -19,7 +19,15 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from relprop._core.kinds import OpKind
 from relprop._core.rule import Rule
-from relprop._core.tensors import holds_activation, is_activation, positional_activations, sum_to
+from relprop._core.tensors import (
+    holds_activation,
+    is_activation,
+    is_alias_of,
+    positional_activations,
+    storage_address,
+    storage_use_count,
+    sum_to,
+)
 
 
 def _storage_count(tensor: Tensor) -> int:
@@ -30,7 +38,8 @@ def _storage_count(tensor: Tensor) -> int:
     autograd then adds every gradient that arrives after a relevance in that
     memory into a new tensor instead of into it.
     """
-    return torch._C._storage_Use_Count(torch._C._storage_address(tensor))  # type: ignore[attr-defined]
+    assert storage_use_count is not None  # see _lone_storage_count
+    return storage_use_count(storage_address(tensor))
 
 
 @functools.cache
@@ -39,7 +48,7 @@ def _lone_storage_count() -> int | None:
 
     None if PyTorch does not expose the count of a storage's references.
     """
-    if not (hasattr(torch._C, "_storage_Use_Count") and hasattr(torch._C, "_storage_address")):
+    if storage_use_count is None:
         return None
     return _storage_count(torch.empty(1))
 
@@ -83,8 +92,6 @@ class OpCall:
     dim: int
     #: the number of dimensions of the output (set by :func:`propagate`)
     output_dim: int
-    #: what the rule's ``prepare`` returned (a ``1 / denominator``), kept from :meth:`prepare` to :meth:`finish`
-    prepared: Tensor = None  # type: ignore[assignment]
     #: max pooling: the average pooling over the same windows (None where dilated)
     average: Callable[[Tensor], Tensor] | None
 
@@ -92,13 +99,13 @@ class OpCall:
                  linearised: Callable | None = None):
         self.kind = kind
         self.func = func
-        #: whether ``func`` overwrites its one activation input and returns it (see ``ops._in_place_pass``)
+        #: whether ``func`` overwrites its one activation input and returns it (see ``relprop.ops.inplace._in_place_pass``)
         self.in_place = False
         #: for an op run in place: the call that produced the input it overwrote, which still reads that memory
         self.overwrites: OpCall | None = None
         self.name = name
         self.module_name = module_name
-        self.rule: Rule = None  # type: ignore[assignment]  # set by propagate() before the op runs
+        self._rule: Rule | None = None  # set by propagate() before the op runs
         #: called as ``audit(call, relevance, input_relevances)`` after each propagation, if set
         self.audit: Callable | None = None
         self._linearised = linearised or func
@@ -116,19 +123,60 @@ class OpCall:
         for slot, x in zip(slots, self._outer):
             leaves[slot] = value = x.detach()
             inputs.append(value)
+        #: the op's activation arguments, detached, in the order of the call's arguments
         self.inputs: tuple[Tensor, ...] = tuple(inputs)
         self._leaves = leaves
         #: the inputs' version counters once the op has run (see :meth:`check_inputs`)
         self.versions: tuple[int, ...] = ()
         #: set by :func:`propagate`; None again once no rule reads it (:meth:`settle`, :meth:`take_output`)
-        self.output: Tensor = None  # type: ignore[assignment]
+        self._output: Tensor | None = None
         #: whether an in-place ReLU has since overwritten the output in its memory: it holds relu(z) >= 0
         self.output_nonnegative = False
-        #: indices of :attr:`inputs` that are copies read by the rule alone: it may write into them
+        #: indices of :attr:`~relprop.engine.OpCall.inputs` that are copies read by the rule alone: it may write into them
         self.scratch: frozenset[int] = frozenset()
         self._graph: tuple[list[Tensor], Tensor] | None = None
         self._prepared = False
+        #: what the rule's ``prepare`` returned (a ``1 / denominator``), kept from :meth:`prepare` to :meth:`finish`
+        self._preparation: Tensor | None = None
+        #: set by :meth:`finish`: the backward pass went through this op, and it keeps nothing
+        self.finished = False
         self._restore = False
+
+    @property
+    def rule(self) -> Rule:
+        """The op's rule, from the moment the op runs (:func:`~relprop.engine.propagate`)."""
+        if self._rule is None:
+            raise RuntimeError(f"relprop: {self.describe()} has no rule yet: it has not run")
+        return self._rule
+
+    @rule.setter
+    def rule(self, rule: Rule) -> None:
+        self._rule = rule
+
+    @property
+    def output(self) -> Tensor:
+        """The op's output, while a rule may read it (until :meth:`settle` or :meth:`take_output` drops it)."""
+        if self._output is None:
+            raise RuntimeError(f"relprop: the output of {self.describe()} is no longer kept: rule {self._rule!r} "
+                               "reads it, so it must keep needs_output = True")
+        return self._output
+
+    @output.setter
+    def output(self, value: Tensor) -> None:
+        self._output = value
+
+    @property
+    def kept_output(self) -> Tensor | None:
+        """The output where the call still keeps it, else None."""
+        return self._output
+
+    @property
+    def prepared(self) -> Tensor:
+        """What the rule's ``prepare`` returned for this call, for its ``propagate``."""
+        if self._preparation is None:
+            raise RuntimeError(f"relprop: rule {self._rule!r} reads call.prepared, but its prepare returned nothing "
+                               f"for {self.describe()}")
+        return self._preparation
 
     @property
     def activations(self) -> tuple[Tensor, ...]:
@@ -163,10 +211,10 @@ class OpCall:
         keeps a copy instead (:meth:`check_inputs` raises otherwise). An op
         run in place on ``target`` itself reads only the shape of its input.
         """
-        if self.inputs is None:  # the backward pass went through this op already
+        if self.finished:  # the backward pass went through this op already
             return
         kept = [i for i, x in enumerate(self.inputs)
-                if torch._C._is_alias_of(x, target)  # type: ignore[attr-defined]
+                if is_alias_of(x, target)
                 and not (self.in_place and i == 0)]
         if not kept:
             return
@@ -190,7 +238,7 @@ class OpCall:
             self._build_graph()
 
     def _build_graph(self) -> None:
-        """The op's private autograd graph, built (or built again) on :attr:`inputs`."""
+        """The op's private autograd graph, built (or built again) on :attr:`~relprop.engine.OpCall.inputs`."""
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in self.inputs]
             self._graph = (leaves, self.call_with(self._linearised, leaves))
@@ -218,7 +266,7 @@ class OpCall:
     def run_in_place(self, overwrites: OpCall | None) -> None:
         """Run the op in place on its one activation input, whose producer ``overwrites`` still reads that memory.
 
-        Only for a rule that reads nothing but the input's shape (see ``ops._in_place_pass``).
+        Only for a rule that reads nothing but the input's shape (see ``relprop.ops.inplace._in_place_pass``).
         """
         self.in_place = True
         self.overwrites = overwrites
@@ -238,7 +286,7 @@ class OpCall:
         return self.call_with(self.func, self.activations)
 
     def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
-        """Vector-Jacobian product of the op with respect to :attr:`inputs`.
+        """Vector-Jacobian product of the op with respect to :attr:`~relprop.engine.OpCall.inputs`.
 
         A rule that sets ``needs_vjp`` finds the op's autograd graph kept from
         the forward pass; for one that does not, it is built here from the
@@ -266,9 +314,10 @@ class OpCall:
         is None.
         """
         lone = _lone_storage_count()
-        if self.output is None or lone is None or _storage_count(self.output) != lone:
+        output = self._output
+        if output is None or lone is None or _storage_count(output) != lone:
             return None
-        output, self.output = self.output, None  # type: ignore[assignment]
+        self._output = None
         return output
 
     def restore_output(self) -> None:
@@ -282,7 +331,7 @@ class OpCall:
         self._restore = True
 
     def recompute(self) -> Tensor:
-        """The output computed again from :attr:`inputs`."""
+        """The output computed again from :attr:`~relprop.engine.OpCall.inputs`."""
         inputs = (self.inputs[0].clone(), *self.inputs[1:]) if self.in_place else self.inputs
         with torch.no_grad():
             return self.call_with(self.func, inputs)
@@ -294,23 +343,21 @@ class OpCall:
             self.output = self.recompute()
         if not self._prepared:
             self._prepared = True
-            self.prepared = self.rule.prepare(self)  # type: ignore[assignment]  # None unless the rule prepares
+            self._preparation = self.rule.prepare(self)  # None unless the rule prepares
             self.settle()
 
     def finish(self) -> None:
         """After the backward pass through this op: free what it kept, as autograd frees saved tensors."""
-        self.inputs = None  # type: ignore[assignment]
-        self.output = None  # type: ignore[assignment]
-        self._graph = None
+        self.finished = True
+        self.inputs = ()
+        self._output = self._preparation = self._graph = self._outer = self.overwrites = None
         # the arguments hold the inputs too, and the call lives as long as the autograd graph: to its end
-        self._leaves = self._outer = None  # type: ignore[assignment]
-        self.overwrites = None
-        self.prepared = None  # type: ignore[assignment]
+        self._leaves = []
 
     def settle(self) -> None:
         """Drop the output once nothing will read it: it would keep an activation alive until the backward pass."""
         if not self.rule.needs_output and (self._prepared or not self.rule.prepares):
-            self.output = None  # type: ignore[assignment]
+            self._output = None
 
     def protect(self, copy: Tensor | None = None) -> None:
         """Before user code modifies the output in place: prepare now, and copy it if the rule reads it later.
@@ -322,7 +369,7 @@ class OpCall:
         if self.overwrites is not None:
             self.overwrites.protect(copy)
         self.detach_graph()
-        if self.rule is None or self.output is None:
+        if self._rule is None or self._output is None:
             return
         if copy is not None:
             self.output = copy.detach()  # no reference into the autograd graph: it would close a cycle
@@ -411,6 +458,6 @@ class InPlaceSumCall(AddCall):
         super().prepare()
         if self._producer is not None:
             self._producer.prepare()
-            if self._producer.output is None:
+            if self._producer.kept_output is None:
                 self.scratch = frozenset({0})
             self._producer = None

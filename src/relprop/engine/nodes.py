@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from relprop._core.rule import Rule
+from relprop._core.tensors import is_alias_of
 from relprop.engine.calls import OpCall
 
 
@@ -28,7 +29,7 @@ def _unviewed(out: Tensor, call: OpCall) -> Tensor:
     in place never modifies the argument behind autograd's back.
     """
     if out.is_conj() or out.is_neg() or any(isinstance(leaf, Tensor)  # lazy conjugates: set_ would drop the flag
-                                            and torch._C._is_alias_of(out, leaf)  # type: ignore[attr-defined]
+                                            and is_alias_of(out, leaf)
                                             for leaf in call._leaves):
         return out.clone()
     # set_(Tensor) is documented, but missing from the type stubs
@@ -52,7 +53,7 @@ class _Propagate(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, relevance: Tensor | None) -> tuple[Tensor | None, ...]:
         call = ctx.call
-        if call.inputs is None:
+        if call.finished:
             raise RuntimeError("relprop: relevance crosses a recorded forward pass once; run the forward again")
         if relevance is None:
             return (None,) * (1 + len(call.inputs))

@@ -107,6 +107,7 @@ class ParametricCall(OpCall):
                  transpose: Callable[..., Tensor] | None, workspace: Workspace, is_first: bool = False,
                  input_nonnegative: bool = False):
         super().__init__(kind, func, args, kwargs, name, module_name)
+        #: the op itself, called as ``evaluate(x, weight, bias)``
         self.evaluate = evaluate
         self.workspace = workspace
         self.is_first = is_first
@@ -176,9 +177,10 @@ class ParametricCall(OpCall):
 
     def _merge_weight(self, out: Tensor | None = None) -> Tensor:
         """The weight with the merged BatchNorm's scale on its output channels, in ``out`` or a new tensor."""
+        assert self._batch_norm is not None and self._channel_dim is not None  # only a merged call merges
         shape = [1] * self._weight.dim()
-        shape[self._channel_dim] = -1  # type: ignore[index]  # a merged BatchNorm's op has its channel dimension
-        return torch.mul(self._weight, self._batch_norm[0].reshape(shape), out=out)  # type: ignore[index]
+        shape[self._channel_dim] = -1
+        return torch.mul(self._weight, self._batch_norm[0].reshape(shape), out=out)
 
     def scale_input_channels(self, weight: Tensor, scale: Tensor) -> Tensor | None:
         """``weight`` (shaped like :attr:`weight`) multiplied in place by ``scale``, one factor per input channel.
@@ -240,9 +242,12 @@ class ParametricCall(OpCall):
         """
         x = self.inputs[0]
         axis, like = self._stacked_input(x)
-        stacked = torch.cat([self.weight, weight], self._input_channel_dim(x.shape[axis]))  # type: ignore[arg-type]
+        dim = self._input_channel_dim(x.shape[axis])
+        assert dim is not None  # callers check scale_input_channels first
+        stacked = torch.cat([self.weight, weight], dim)
         # the kernel reads the shape of `like` alone: memory never written is never faulted in
-        return self.transpose_with(grad, stacked, like=like).chunk(2, axis)  # type: ignore[return-value]
+        ours, theirs = self.transpose_with(grad, stacked, like=like).chunk(2, axis)
+        return ours, theirs
 
     def _stacked_input(self, x: Tensor) -> tuple[int, Tensor]:
         """The axis of ``x``'s channels, and an uninitialised input like ``x`` with twice as many channels."""
@@ -275,7 +280,9 @@ class ParametricCall(OpCall):
 
     def bias_term(self) -> Tensor:
         """The bias, shaped to broadcast against the output."""
-        return self._output_shape(self.bias)  # type: ignore[arg-type]  # called where there is a bias
+        bias = self.bias
+        assert bias is not None  # called where there is a bias
+        return self._output_shape(bias)
 
     def _needs_graph(self) -> bool:
         return self._transpose is None and super()._needs_graph()
@@ -303,14 +310,21 @@ class ParametricCall(OpCall):
         return super().run()
 
     def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
-        if self._graph is not None or self._transpose is None:
+        transpose = self._transpose
+        if self._graph is not None or transpose is None:
             return super().vjp(grad)
         if self._batch_norm is None:
-            return (self._transpose(grad),)  # type: ignore[misc]  # no graph kept: the op is transposable
+            return (transpose(grad),)  # no graph kept: the op is transposable
         # the merged BatchNorm's scale goes onto the weight or onto the relevance, whichever is smaller
         if self._weight.numel() < grad.numel():
-            return (self._transpose(grad, self.weight),)  # type: ignore[misc]
-        return (self._transpose(grad * self._output_shape(self._batch_norm[0])),)  # type: ignore[misc]
+            return (transpose(grad, self.weight),)
+        return (transpose(grad * self._output_shape(self._batch_norm[0])),)
+
+    @property
+    def merges_batch_norm(self) -> bool:
+        """Whether a BatchNorm that follows can be merged in (:meth:`merge_batch_norm`): the weight indexes the
+        output channels along one dimension (not a grouped transposed convolution)."""
+        return self._channel_dim is not None
 
     @property
     def transposable(self) -> bool:
@@ -320,10 +334,13 @@ class ParametricCall(OpCall):
     def transpose_with(self, grad: Tensor, weight: Tensor, like: Tensor | None = None) -> Tensor:
         """The VJP with respect to the input of the op with another ``weight``: one transposed product.
 
-        ``like``: an input of the shape the op with ``weight`` takes, where that is not the shape of :attr:`inputs`
+        ``like``: an input of the shape the op with ``weight`` takes, where that is not the shape of :attr:`~relprop.engine.OpCall.inputs`
         (a stacked weight, see :meth:`stack_signs`).
         """
-        return self._transpose(grad, weight, like)  # type: ignore[misc]  # rules check transposable first
+        transpose = self._transpose
+        if transpose is None:
+            raise RuntimeError(f"relprop: {self.describe()} is not transposable: check call.transposable first")
+        return transpose(grad, weight, like)
 
     def merge_batch_norm(self, batch_norm: Callable[[Tensor], Tensor], scale: Tensor, shift: Tensor,
                          output: Tensor, module_name: str) -> "ParametricCall":

@@ -9,7 +9,7 @@ that tells which module issued each op, so rules can be chosen per module. On
 exit every hook is removed and every module's training flag is as before,
 also when the forward raises. What the pass knows about its activations
 (producers, tags, readers, in-place overwrites) lives in one
-:class:`~relprop.tracking.AliasTracker`; handlers see the session through the
+:class:`~relprop.engine.AliasTracker`; handlers see the session through the
 :class:`~relprop.ops.OpHost` protocol."""
 from __future__ import annotations
 
@@ -101,21 +101,21 @@ class Session(TorchFunctionMode):
     composite : relprop.composites.Composite
         Chooses the rule of each op.
     strict : bool
-        Raise :class:`UnsupportedOpError` when relevance reaches an op without
+        Raise :class:`~relprop.UnsupportedOpError` when relevance reaches an op without
         a rule, instead of warning.
     taps : mapping of module to tapper, optional
         For each module, a callable ``tapper(session, value) -> value`` applied
         to the module's inputs (if ``tapper.input``) or output, typically
-        putting :meth:`tap` nodes on them (see :mod:`relprop.layer`).
+        putting :meth:`tap` nodes on them (see :class:`relprop.LayerLRP`).
     audit : callable, optional
         Called as ``audit(call, relevance, input_relevances)`` after every
-        propagation (see :mod:`relprop.audit`).
+        propagation (see :func:`relprop.audit`).
     token_inputs : tuple of integer tensors
         Model inputs of token ids: their embedding lookups collect relevance
         (:meth:`token_embedding`).
     guard : bool
         Report ops whose rule hands on NaN or infinite relevance, or creates
-        relevance where it should conserve it (:class:`ConservationWarning`).
+        relevance where it should conserve it (:class:`~relprop.ConservationWarning`).
     """
 
     def __init__(self, model: nn.Module, composite: RuleSource, strict: bool = False,
@@ -137,7 +137,7 @@ class Session(TorchFunctionMode):
         #: tap output -> its record (so that a BatchNorm merged across a tap keeps it)
         self.tapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.unhandled: list[str] = []
-        #: scratch memory the parametric op calls share (see :class:`relprop.graph.Workspace`)
+        #: scratch memory the parametric op calls share (see :class:`relprop.engine.Workspace`)
         self.workspace = Workspace()
         #: per op reached in the backward pass: the call, the relevance it handed on and, if its rule conserves, the
         #: relevance that arrived summed in absolute value; checked together once the pass ends (:meth:`_check`)
@@ -375,7 +375,7 @@ class Session(TorchFunctionMode):
             return handler(self, func, args, kwargs)
         except Exception as error:
             if not getattr(error, "_relprop_noted", False):
-                error._relprop_noted = True  # type: ignore[attr-defined]
+                setattr(error, "_relprop_noted", True)
                 error.add_note(f"relprop: raised by {op_name(func)} in module '{self.module_name or '<root>'}' "
                                "during the attribution forward pass")
             raise

@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from relprop._core.kinds import OpKind
 from relprop._core.rule import Pass, Rule
+from relprop._core.tensors import is_alias_of, storage_address
 from relprop.engine.calls import OpCall
 
 __all__ = ["AliasTracker", "aliases", "KEEPS_NONZERO"]
@@ -29,8 +30,8 @@ _RELU = KEEPS_NONZERO | {torch.relu, Tensor.relu}
 
 def aliases(value: Any, target: Tensor) -> bool:
     """Whether ``value`` is a tensor in ``target``'s memory (``target`` itself, or a view of it)."""
-    # not by their storage objects: made once, one lives as long as the memory (see graph._storage_count)
-    return isinstance(value, Tensor) and torch._C._is_alias_of(value, target)  # type: ignore[attr-defined]
+    # not by their storage objects: made once, one lives as long as the memory (see relprop.engine.calls._storage_count)
+    return isinstance(value, Tensor) and is_alias_of(value, target)
 
 
 def _maps_zero_to_zero(call: OpCall) -> bool:
@@ -102,7 +103,7 @@ class AliasTracker:
         self._producers[out] = call
         reader = weakref.ref(call)
         for x in call.inputs:
-            self._readers.setdefault(torch._C._storage_address(x), []).append(reader)  # type: ignore[attr-defined]
+            self._readers.setdefault(storage_address(x), []).append(reader)
 
     def alias(self, out: Tensor, of: Tensor) -> None:
         """``out`` stands for ``of`` (a tap node on it): it has ``of``'s producer."""
@@ -140,7 +141,7 @@ class AliasTracker:
 
     def before_write(self, target: Tensor) -> None:
         """``target``, an activation, is about to be overwritten in place: the ops that read it keep copies."""
-        for reader in self._readers.pop(torch._C._storage_address(target), ()):  # type: ignore[attr-defined]
+        for reader in self._readers.pop(storage_address(target), ()):
             call = reader()
             if call is not None:
                 call.keep_inputs_from(target)
@@ -173,7 +174,7 @@ class AliasTracker:
         target = call.activations[0]
         overwrites = self._producers.get(target)
         call.run_in_place(overwrites)
-        if overwrites is not None and call.func in KEEPS_NONZERO and aliases(overwrites.output, target):
+        if overwrites is not None and call.func in KEEPS_NONZERO and aliases(overwrites.kept_output, target):
             overwrites.zeroed_in_place()
             return overwrites
         return None

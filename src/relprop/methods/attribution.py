@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import functools
 import gc
-import numbers
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -16,149 +16,47 @@ from relprop import composites
 from relprop.engine.session import Session
 from relprop.methods._inputs import Inputs, Target, as_tuple, forward_arguments
 from relprop.methods.adapters import hold_selective_parameters
+from relprop.methods.targets import convergence_delta, model_logits, output_relevance
 
-__all__ = ["Attribution", "LRP", "ForwardPass", "Contrastive", "output_relevance", "target_mask", "model_logits",
-           "convergence_delta"]
+__all__ = ["Attribution", "LRP", "ForwardPass"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def model_logits(output: Any) -> Tensor:
-    """The tensor a model's output is explained on: itself, its ``logits``, or its first tensor."""
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, Mapping) or hasattr(output, "keys"):
-        if "logits" in output.keys() and isinstance(output["logits"], Tensor):
-            return output["logits"]
-        values = list(output.values())
-    elif isinstance(output, (tuple, list)):
-        values = list(output)
-    else:
-        raise TypeError(f"relprop: the model returned {type(output).__name__}; expected a tensor, a tuple, "
-                        "a dict or a ModelOutput holding one")
-    for value in values:
-        if isinstance(value, Tensor):
-            return value
-    raise TypeError(f"relprop: the model returned a {type(output).__name__} without any tensor to explain")
 
 
-def _is_index(value: Any) -> bool:
-    if isinstance(value, Tensor):
-        return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_index(index: tuple, shape: torch.Size, target: Any) -> tuple[int, ...]:
-    if len(index) > len(shape) - 1:
-        raise ValueError(f"relprop: target {target!r} has {len(index)} indices, but the model output of shape "
-                         f"{tuple(shape)} has only {len(shape) - 1} dimension(s) after the batch dimension")
-    checked = []
-    for dim, value in enumerate(index, start=1):
-        if not _is_index(value):
-            raise TypeError(f"relprop: target {target!r} must hold integers, got {type(value).__name__}")
-        value, size = int(value), shape[dim]
-        if not -size <= value < size:
-            raise ValueError(f"relprop: target {target!r} is out of range for the model output of shape "
-                             f"{tuple(shape)}: index {value} on dimension {dim} of size {size}")
-        checked.append(value)
-    return tuple(checked)
 
 
-def target_mask(output: Tensor, target: Target) -> Tensor:
-    """A boolean mask of the output entries that ``target`` selects (captum's semantics).
-
-    ``target`` is None (one output per example), an int (the class along
-    dimension 1), a tuple indexing the dimensions after the batch dimension
-    (``(-1, token)``), or a list / 1-D integer tensor with one such target per
-    example. A list or tensor of one target is used for every example, as
-    captum does (``torch.tensor([2])`` for a batch of 4).
-    """
-    batch = output.shape[0] if output.dim() else 1
-    mask = torch.zeros_like(output, dtype=torch.bool)
-    if target is None:
-        if output.numel() != batch:
-            raise ValueError(f"relprop: the model output has shape {tuple(output.shape)}, more than one value per "
-                             "example; pass target= to choose which one to explain")
-        mask.fill_(True)
-    elif _is_index(target) or isinstance(target, tuple):
-        index = _check_index(target if isinstance(target, tuple) else (target,), output.shape, target)
-        mask[(slice(None), *index)] = True  # type: ignore[index]  # mypy misreads the starred ints
-    elif isinstance(target, (list, Tensor)):
-        if isinstance(target, Tensor) and target.dim() != 1:
-            raise ValueError(f"relprop: a target tensor must be 1-D (one class per example), got shape "
-                             f"{tuple(target.shape)}")
-        targets = target.tolist() if isinstance(target, Tensor) else list(target)
-        if len(targets) == 1:
-            targets = targets * batch
-        if len(targets) != batch:
-            raise ValueError(f"relprop: {len(targets)} targets given for a batch of {batch} examples")
-        for example, item in enumerate(targets):
-            index = _check_index(item if isinstance(item, tuple) else (item,), output.shape, item)
-            mask[(example, *index)] = True
-    else:
-        raise TypeError(f"relprop: target must be None, an int, a tuple, a list or a tensor, "
-                        f"got {type(target).__name__}")
-    return mask
 
 
-class Contrastive:
-    """A contrastive target: explain ``f_t - mean of the other outputs`` instead of ``f_t``.
-
-    The output relevance is ``f_t`` at the target and ``-f_j / (C - 1)`` at
-    each of the ``C - 1`` other entries along the target's last indexed
-    dimension (the classes, or the vocabulary at a position).
-
-    Examples
-    --------
-    >>> lrp.attribute(x, target=relprop.Contrastive(3))
-    >>> lrp.attribute(input_ids, target=relprop.Contrastive((-1, token_id)))
-    """
-
-    def __init__(self, target: Target):
-        self.target = target
-
-    def relevance(self, output: Tensor) -> Tensor:
-        mask = target_mask(output, self.target)
-        depth = len(self.target) if isinstance(self.target, tuple) else 1
-        if isinstance(self.target, list) and self.target and isinstance(self.target[0], tuple):
-            depth = len(self.target[0])
-        others = mask.any(depth, keepdim=True).expand_as(mask) & ~mask
-        zero = torch.zeros((), dtype=output.dtype, device=output.device)
-        return torch.where(mask, output, zero) - torch.where(others, output, zero) / (output.shape[depth] - 1)
-
-    def __repr__(self) -> str:
-        return f"Contrastive({self.target!r})"
 
 
-def output_relevance(output: Tensor, target: Target) -> Tensor:
-    """The relevance seeded at the output: ``output`` where ``target`` selects, 0 elsewhere.
-
-    See :func:`target_mask` for ``target``. A floating-point tensor of the
-    output's shape is taken as the output relevance itself; a
-    :class:`Contrastive` target explains the target against the others.
-    """
-    if isinstance(target, Contrastive):
-        return target.relevance(output.detach())
-    if isinstance(target, Tensor) and target.is_floating_point():
-        if target.shape != output.shape:
-            raise ValueError(f"relprop: output relevance of shape {tuple(target.shape)} does not match the model "
-                             f"output of shape {tuple(output.shape)}")
-        return target.to(output.dtype).detach()
-    value = output.detach()
-    return torch.where(target_mask(value, target), value, torch.zeros((), dtype=value.dtype, device=value.device))
 
 
 
 
 def _eager(method: _F) -> _F:
-    """Run ``method`` eagerly also inside ``torch.compile``d code.
+    """Run ``method`` eagerly also inside code compiled with ``torch.compile``.
 
     Relevance needs every op of the forward pass intercepted one by one, which a
     compiled graph does not allow: Dynamo breaks the graph here instead of
     failing, and what the caller compiles around an attribution stays compiled.
+    Dynamo is looked up when the method runs: nothing can be compiling before
+    ``torch.compile`` imported it, and importing it costs more than importing torch.
     The result has captum's ``__wrapped__`` (see :func:`_captum_entry`).
     """
-    return torch.compiler.disable(method, recursive=True)
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return method(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(method, recursive=True))
+        return disabled[0](*args, **kwargs)
+    return cast(_F, call)
 
 
 def _captum_entry(method: _F) -> _F:
@@ -170,7 +68,7 @@ def _captum_entry(method: _F) -> _F:
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         return method(*args, **kwargs)
-    return call  # type: ignore[return-value]
+    return cast(_F, call)
 
 
 class Attribution:
@@ -217,8 +115,8 @@ class LRP(Attribution):
     ----------
     model : nn.Module
         The model to explain. It is not modified: no parameter, flag, hook or
-        mode outlives a call. A ``torch.compile``d model is explained through the
-        module it was compiled from, and calls of this class run eagerly inside
+        mode outlives a call. A model compiled with ``torch.compile`` is explained
+        through the module it was compiled from, and calls of this class run eagerly inside
         compiled functions (a graph break), so compiling code around an
         attribution works.
     composite : Composite, str or None
@@ -230,7 +128,7 @@ class LRP(Attribution):
     guard : bool
         Check every op's relevance as it passes: NaN or infinite relevance, and
         rules that should conserve relevance but create some, are reported with
-        the op's module path (:class:`~relprop.engine.ConservationWarning`).
+        the op's module path (:class:`~relprop.ConservationWarning`).
 
     Notes
     -----
@@ -244,8 +142,15 @@ class LRP(Attribution):
 
     Examples
     --------
-    >>> lrp = relprop.LRP(model, "epsilon-plus-flat")
+    >>> import torch
+    >>> from torch import nn
+    >>> import relprop
+    >>> model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    >>> images, labels = torch.randn(2, 3, 8, 8), torch.tensor([3, 7])
+    >>> lrp = relprop.LRP(model.eval(), "epsilon-plus-flat")
     >>> relevance = lrp.attribute(images, target=labels)
+    >>> relevance.shape
+    torch.Size([2, 3, 8, 8])
     """
 
     multiplies_by_inputs = True
@@ -257,8 +162,9 @@ class LRP(Attribution):
         if not isinstance(model, nn.Module):
             raise TypeError(f"relprop: model must be a torch.nn.Module, got {type(model).__name__}")
         # compiled code runs its ops where no rule can reach them: explain the module it was compiled from
-        compiled = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
-        self.model: nn.Module = model._orig_mod if compiled else model  # type: ignore[assignment]
+        dynamo = sys.modules.get("torch._dynamo")  # not imported unless something compiled a model
+        compiled = dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule)
+        self.model: nn.Module = cast(nn.Module, model._orig_mod) if compiled else model
         if isinstance(self.model, nn.DataParallel):  # replicas run in threads, outside the engine's mode
             self.model = self.model.module
         super().__init__(self.model)
@@ -276,10 +182,18 @@ class LRP(Attribution):
 
         Examples
         --------
-        >>> x.requires_grad_(True)
+        >>> import torch
+        >>> from torch import nn
+        >>> import relprop
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+        >>> lrp = relprop.LRP(model)
+        >>> x = torch.randn(5, 4).requires_grad_(True)
         >>> with lrp.context():
         ...     out = model(x)
+        >>> my_relevance = out.detach() * torch.tensor([1.0, 0.0, 0.0])  # explain output 0
         >>> (relevance,) = torch.autograd.grad(out, x, grad_outputs=my_relevance)
+        >>> relevance.shape
+        torch.Size([5, 4])
         """
         with self._session() as session:
             yield session
@@ -295,7 +209,7 @@ class LRP(Attribution):
     @_eager
     def record(self, inputs: Inputs, additional_forward_args: Any = None, taps: Any = None,
                audit: Any = None) -> ForwardPass:
-        """Run the model once under the engine and keep the pass, for :meth:`ForwardPass.relevance`.
+        """Run the model once under the engine and keep the pass, for :meth:`~relprop.methods.ForwardPass.relevance`.
 
         Use it to choose the output relevance after seeing the output. A
         recorded pass carries relevance once: record again for another seed.
@@ -305,8 +219,17 @@ class LRP(Attribution):
 
         Examples
         --------
+        >>> import torch
+        >>> from torch import nn
+        >>> import relprop
+        >>> lrp = relprop.LRP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5)).eval())
+        >>> x = torch.randn(2, 4)
         >>> explained = lrp.record(x)
+        >>> explained.logits.shape
+        torch.Size([2, 5])
         >>> relevance, = explained.relevance(relprop.output_relevance(explained.logits, target=3))
+        >>> relevance.shape
+        torch.Size([2, 4])
         """
         inputs = as_tuple(inputs)
         if not inputs or not all(isinstance(x, Tensor) for x in inputs):
@@ -333,7 +256,7 @@ class LRP(Attribution):
             one relevance per token, in their shape: the relevance of the
             embedded vectors summed over the hidden dimension.
         target : int, tuple, list, Tensor, Contrastive or None
-            What to explain (captum's semantics, see :func:`target_mask`).
+            What to explain (captum's semantics, see :func:`~relprop.methods.target_mask`).
             The output relevance is the selected output value, so relevance
             sums to about ``f_t(x)``.
         additional_forward_args : tuple or dict, optional
@@ -431,29 +354,3 @@ class ForwardPass:
         return tuple(relevance)
 
 
-def convergence_delta(seed: Tensor, relevance: Tensor | Sequence[Tensor | None] | None) -> Tensor:
-    """``seed total - relevance total`` per example: the relevance the rules absorbed (or created).
-
-    The one definition of the delta in relprop (captum's ``LRP`` sign): 0
-    where relevance is conserved from the output down to ``relevance``.
-
-    Parameters
-    ----------
-    seed : Tensor
-        The output relevance, or the explained output value per example; batch first.
-    relevance : Tensor or sequence of Tensors
-        The relevance of the inputs (or of a layer), each batch first; None entries are skipped.
-
-    Returns
-    -------
-    Tensor of shape (N,)
-    """
-    parts = [r for r in as_tuple(relevance) if r is not None]
-    batch = seed.shape[0] if seed.dim() else 1
-    if any(r.dim() == 0 or r.shape[0] != batch for r in parts):
-        raise ValueError("relprop: the convergence delta is per example and needs every input batch first; "
-                         f"got input shapes {[tuple(r.shape) for r in parts]} for a seed of shape "
-                         f"{tuple(seed.shape)}")
-    total = sum((r.reshape(batch, -1).sum(1) for r in parts), torch.zeros(batch, dtype=seed.dtype,
-                                                                             device=seed.device))
-    return seed.reshape(batch, -1).sum(1) - total

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from relprop.composites import Composite
 from relprop.methods._inputs import Inputs, Target
-from relprop.methods.attribution import LRP, output_relevance
+from relprop.methods.attribution import LRP
+from relprop.methods.targets import output_relevance
 
 __all__ = ["AuditRow", "Audit", "audit"]
 

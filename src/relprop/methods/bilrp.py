@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from relprop import composites
 from relprop.methods._inputs import as_tuple
-from relprop.methods.attribution import LRP, model_logits
+from relprop.methods.attribution import LRP
+from relprop.methods.targets import model_logits
 
 __all__ = ["BiLRP"]
 
@@ -151,9 +152,25 @@ class BiLRP:
 
     Examples
     --------
-    >>> bilrp = relprop.BiLRP(lambda ids: encoder(ids).last_hidden_state.mean(1), "attnlrp")
-    >>> pairs = bilrp.attribute(ids, ids2)               # (B, T1, T2)
-    >>> left, right = bilrp.first_order(ids, ids2)       # (B, T1), (B, T2)
+    A token encoder (``(B, T)`` ids to ``(B, T, D)`` hidden states),
+    mean-pooled:
+
+    >>> import torch
+    >>> from torch import nn
+    >>> import relprop
+    >>> encoder = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 8, bias=False), nn.ReLU(),
+    ...                         nn.Linear(8, 4, bias=False)).eval()
+    >>> bilrp = relprop.BiLRP(lambda ids: encoder(ids).mean(1), "attnlrp")
+    >>> ids, ids2 = torch.randint(20, (2, 5)), torch.randint(20, (2, 7))
+    >>> pairs = bilrp.attribute(ids, ids2)
+    >>> pairs.shape                                      # (B, T1, T2)
+    torch.Size([2, 5, 7])
+    >>> similarity = (encoder(ids).mean(1) * encoder(ids2).mean(1)).sum(1)
+    >>> torch.allclose(pairs.sum((1, 2)), similarity, atol=1e-5)
+    True
+    >>> left, right = bilrp.first_order(ids, ids2)
+    >>> left.shape, right.shape                          # (B, T1), (B, T2)
+    (torch.Size([2, 5]), torch.Size([2, 7]))
     """
 
     def __init__(self, embed: nn.Module | Callable[..., Any], composite: composites.Composite | str | None = None,

@@ -31,10 +31,12 @@ from relprop.methods._inputs import (
     repeat_target,
     tile_arguments,
 )
-from relprop.methods.attribution import LRP, Attribution, _captum_entry, target_mask
+from relprop.methods.attribution import LRP, Attribution, _captum_entry
 from relprop.methods.deeplift_rules import _NORMS, DeepLiftComposite, VectorNormRescale
 from relprop.methods.gradients import _completeness_delta
 from relprop.methods.layer import Tapper, backward_to_taps, resolve_module
+from relprop.methods.targets import target_mask
+from relprop.ops.elementwise import IN_PLACE_ACTIVATIONS, IN_PLACE_NAMES, INPLACE_FLAG_ACTIVATIONS
 
 _T = torch.Tensor
 #: casts that may round: an elementwise function, Rescale'd when they lose precision
@@ -50,14 +52,12 @@ _EXTREMA = {torch.amax: torch.amax, _T.amax: torch.amax, torch.amin: torch.amin,
             torch.max: torch.amax, _T.max: torch.amax, torch.min: torch.amin, _T.min: torch.amin}
 
 
-#: elementwise ops run in place, and their out-of-place forms
+#: elementwise ops run in place, and their out-of-place forms (the op families' lists)
 _IN_PLACE = {getattr(namespace, name + "_"): getattr(namespace, name) for namespace in (torch, _T, F)
-             for name in "relu sqrt rsqrt abs neg reciprocal pow clamp clip tanh sigmoid exp elu leaky_relu "
-                         "hardtanh".split()
+             for name in (*IN_PLACE_NAMES, "sigmoid", "exp", *(f.__name__ for f in IN_PLACE_ACTIVATIONS))
              if hasattr(namespace, name + "_") and hasattr(namespace, name)}
 #: activations with an ``inplace=`` argument
-_INPLACE_FLAG = frozenset(getattr(F, name) for name in "relu relu6 hardtanh leaky_relu elu selu celu silu mish "
-                          "hardswish rrelu threshold hardsigmoid".split() if hasattr(F, name))
+_INPLACE_FLAG = frozenset(getattr(F, name) for name in (*INPLACE_FLAG_ACTIVATIONS, "hardsigmoid") if hasattr(F, name))
 
 
 class _DeepLiftSession(Session):
@@ -219,7 +219,7 @@ class DeepLift(Attribution):
     maps multipliers so that the attributions sum to ``f(x) - f(baseline)``
     at the target exactly, also through functional ops, modules called
     several times, residual sums, ``cat``, in-place ops, max pooling,
-    softmax and normalisation (the table in :mod:`relprop.deeplift`).
+    softmax and normalisation (the table in :mod:`relprop.methods.deeplift_rules`).
 
     Parameters
     ----------
@@ -230,7 +230,17 @@ class DeepLift(Attribution):
 
     Examples
     --------
-    >>> attributions = relprop.methods.DeepLift(model).attribute(images, target=labels)
+    >>> import torch
+    >>> from torch import nn
+    >>> import relprop
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    >>> images, labels = torch.randn(2, 4), torch.tensor([0, 2])
+    >>> deeplift = relprop.methods.DeepLift(model)
+    >>> attributions, delta = deeplift.attribute(images, target=labels, return_convergence_delta=True)
+    >>> attributions.shape  # baselines: zeros
+    torch.Size([2, 4])
+    >>> bool(delta.abs().max() < 1e-5)  # they sum to f(x) - f(baseline)
+    True
     """
 
     def __init__(self, model: nn.Module, multiply_by_inputs: bool = True):
@@ -292,6 +302,8 @@ class DeepLiftShap(DeepLift):
                   additional_forward_args: Any = None, return_convergence_delta: bool = False) -> Any:
         """Mean DeepLift attributions over the baselines, shaped like the inputs.
 
+        Other parameters as for :meth:`DeepLift.attribute`.
+
         Parameters
         ----------
         baselines : Tensor or tuple of Tensors
@@ -300,8 +312,6 @@ class DeepLiftShap(DeepLift):
         return_convergence_delta : bool
             Also return the delta of every (input, baseline) pair, example-major:
             shape ``(N * K,)``, as captum.
-
-        Other parameters as for :meth:`DeepLift.attribute`.
         """
 
         items = format_inputs(inputs)
@@ -355,10 +365,11 @@ class LayerDeepLift(Attribution):
 
         Returns
         -------
-        A tensor shaped like the layer's output (or input), a tuple for tuple
-        outputs or several inputs, a list when the layer ran several times;
-        with ``return_convergence_delta``, also ``attributions total - (f(x) -
-        f(baseline))`` per example (for each call).
+        Tensor, tuple or list
+            A tensor shaped like the layer's output (or input), a tuple for tuple
+            outputs or several inputs, a list when the layer ran several times; with
+            ``return_convergence_delta``, also ``attributions total - (f(x) - f(baseline))``
+            per example (for each call).
         """
         items, starts = _format(inputs, baselines)
         tapper = Tapper(attribute_to_layer_input)

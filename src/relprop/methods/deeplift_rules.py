@@ -34,7 +34,7 @@ casts to a lower precision      Rescale (the rounding is a function too)
 Other ops that take a winner by value (``maximum(a, b)``, ``topk``,
 ``sort``, ...) are routing ops of the engine: their gradient is not exact
 for differences. Where the attributions then miss ``f(x) -
-f(x0)``, a :class:`~relprop.engine.ConservationWarning` names them."""
+f(x0)``, a :class:`~relprop.ConservationWarning` names them."""
 from __future__ import annotations
 
 import math
@@ -211,7 +211,7 @@ def _softmax_multiplier(x1: Tensor, x0: Tensor, m: Tensor, dim: int) -> Tensor:
 
 
 class SoftmaxRescale(_Paired):
-    """Softmax by Rescale through its decomposition (see :func:`_softmax_multiplier`): exact for differences.
+    """Softmax by Rescale through its decomposition (see ``_softmax_multiplier``): exact for differences.
 
     captum's DeepLift treats ``nn.Softmax`` as an elementwise op and subtracts
     the mean over the whole batch; that is not exact, and ``F.softmax`` gets the gradient there.
@@ -290,7 +290,7 @@ class AttentionRescale(_Paired):
     """Fused attention ``softmax(q k^T * scale + mask) @ v`` by the rules of its parts, in closed form.
 
     The two matrix products take their midpoint rule, the softmax
-    :func:`_softmax_multiplier`; a mask computed from activations takes the
+    ``_softmax_multiplier``; a mask computed from activations takes the
     multiplier of the scores.
     """
 

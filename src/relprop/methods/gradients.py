@@ -4,7 +4,7 @@ All are batched: SmoothGrad's noise samples, Integrated Gradients' path
 steps and Occlusion's occluded copies run as batches through one pass per
 chunk, not as Python loops of single passes. Gradients are seeded with 1 at
 the target (captum's convention; ``target`` as for
-:func:`relprop.attribution.target_mask`). Inputs are a tensor or a
+:func:`relprop.methods.target_mask`). Inputs are a tensor or a
 tuple of floating-point tensors, batch first; ``additional_forward_args`` is
 a tuple of further positional arguments or a dict of keyword arguments, and
 its tensors whose first dimension is the batch are repeated with the inputs.
@@ -33,7 +33,8 @@ from relprop.methods._inputs import (
     repeat_target,
     slice_arguments,
 )
-from relprop.methods.attribution import Attribution, _captum_entry, convergence_delta, model_logits, target_mask
+from relprop.methods.attribution import Attribution, _captum_entry
+from relprop.methods.targets import convergence_delta, model_logits, target_mask
 
 __all__ = ["InputGradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "Occlusion"]
 
@@ -377,4 +378,4 @@ def _window_masks(shape: torch.Size, window: tuple[int, ...], stride: tuple[int,
     return masks
 
 
-# DeepLift runs on the engine with rules of its own (relprop.deeplift), which reads this module's helpers
+# DeepLift runs on the engine with rules of its own (relprop.methods.deeplift_rules), which reads this module's helpers

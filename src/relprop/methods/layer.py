@@ -32,7 +32,8 @@ from relprop._core.tensors import is_activation
 from relprop.composites import Composite
 from relprop.engine.session import Session
 from relprop.methods._inputs import Inputs, Target, one_or_list, tile_target
-from relprop.methods.attribution import LRP, Attribution, _captum_entry, convergence_delta, output_relevance
+from relprop.methods.attribution import LRP, Attribution, _captum_entry
+from relprop.methods.targets import convergence_delta, output_relevance
 
 __all__ = ["LayerLRP", "ModuleRelevance", "module_relevance"]
 

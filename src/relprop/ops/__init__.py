@@ -1,12 +1,12 @@
 """Op families: how each torch function is intercepted, as plug-ins of the op registry.
 
-Each module registers its handlers into :data:`relprop._core.registry.HANDLERS`
-when it is imported: routing ops (:mod:`.routing`), in-place ops
-(:mod:`.inplace`), sums and norms (:mod:`.sums`), products and softmax
-(:mod:`.products`), convolutions and dense layers (:mod:`.linear`),
-elementwise ops (:mod:`.elementwise`), attention and embeddings
-(:mod:`.attention`), max pooling (:mod:`.pools`), recurrent and quantized
-layers, and aten ops of exported programs (:mod:`.aten`). A handler either
+Each module registers its handlers into ``HANDLERS`` (the registry's table,
+function to handler) when it is imported: routing ops (``.routing``), in-place
+ops (``.inplace``), sums and norms (``.sums``), products and softmax
+(``.products``), convolutions and dense layers (``.linear``), elementwise ops
+(``.elementwise``), attention and embeddings (``.attention``), max pooling
+(``.pools``), recurrent and quantized layers (``.recurrent``, ``.quantized``),
+and aten ops of exported programs (``.aten``). A handler either
 runs the function as it is (routing ops, whose gradient re-routes relevance
 exactly) or builds an op call for the engine to run with a rule. An op of an
 existing family is added with :func:`register` and one of the handler

@@ -72,10 +72,10 @@ def _resolve_aten(op: torch._ops.OpOverload) -> tuple[Handler, Callable, Callabl
     if name in _ATEN_ROUTING or (returns and returns[0].alias_info is not None and not op._schema.is_mutable):
         return _run, op, None
     for namespace in (torch, F, torch._C._nn, Tensor):
-        func = getattr(namespace, name, None)  # type: ignore[assignment]
-        if func is not None and func in HANDLERS:
-            handler = HANDLERS[func]
-            return handler, (op if handler is _run else func), None
+        found = getattr(namespace, name, None)
+        if found is not None and found in HANDLERS:
+            handler = HANDLERS[found]
+            return handler, (op if handler is _run else found), None
     return None
 
 

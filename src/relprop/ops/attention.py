@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ class AttentionCall(OpCall):
 
     @property
     def roles(self) -> tuple[str, ...]:
-        """The names of the arguments that are activations, in the order of :attr:`inputs`."""
+        """The names of the arguments that are activations, in the order of :attr:`~relprop.engine.OpCall.inputs`."""
         return tuple(self._roles)
 
 
@@ -72,8 +72,12 @@ def _decomposed_attention(query: Tensor, key: Tensor, value: Tensor, embed_dim_t
                           q_proj_weight: Tensor | None = None, k_proj_weight: Tensor | None = None,
                           v_proj_weight: Tensor | None = None, is_causal: bool = False, **_: Any) -> Tensor:
     """``F.multi_head_attention_forward`` (sequence first, no dropout) as linear maps around fused attention."""
-    weights = ((q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight
-               else in_proj_weight.chunk(3))  # type: ignore[union-attr]
+    if use_separate_proj_weight:
+        assert q_proj_weight is not None and k_proj_weight is not None and v_proj_weight is not None
+        weights: Sequence[Tensor] = (q_proj_weight, k_proj_weight, v_proj_weight)
+    else:
+        assert in_proj_weight is not None  # nn.MultiheadAttention has one where the weights are not separate
+        weights = in_proj_weight.chunk(3)
     biases = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
     length, batch, width = query.shape
     head = width // num_heads

@@ -28,9 +28,18 @@ def _elementwise(tag: str | None = None) -> Handler:
         if tag is not None:
             session.aliases.set_tag(out, tag)
         return out
-    handle.tag = tag  # type: ignore[attr-defined]
+    setattr(handle, "tag", tag)  # read by the in-place forms (ops.inplace)
     return handle
 
+
+#: elementwise ops whose in-place form ``name_`` (``torch`` and ``Tensor``) passes relevance as ``name`` does
+#: (``sigmoid_`` and ``exp_`` too, with their tags)
+IN_PLACE_NAMES = ("relu", "sqrt", "rsqrt", "abs", "neg", "reciprocal", "pow", "clamp", "clip", "tanh")
+#: activations of ``torch.nn.functional`` with an in-place form ``name_``
+IN_PLACE_ACTIVATIONS = (F.relu, F.elu, F.leaky_relu, F.hardtanh)
+#: activations of ``torch.nn.functional`` with an ``inplace=`` argument (``F.hardsigmoid`` too, a gate)
+INPLACE_FLAG_ACTIVATIONS = ("relu", "relu6", "hardtanh", "leaky_relu", "elu", "selu", "celu", "silu", "mish",
+                            "hardswish", "rrelu", "threshold")
 
 _elementwise_pass = _elementwise()
 _activation = _elementwise("activation")
@@ -39,8 +48,7 @@ register(_elementwise_pass, torch_and_tensor("expm1 log log1p log2 sqrt abs neg 
           lookup(Tensor, "__neg__ __pow__ __abs__"), lookup(F, "normalize"))
 register(_activation, torch_and_tensor("relu tanh"),
           lookup(F, "gelu softplus logsigmoid softsign tanhshrink prelu tanh"))
-register(_with_inplace_flag(_activation),
-          lookup(F, "relu relu6 hardtanh leaky_relu elu selu celu silu mish hardswish rrelu threshold"))
+register(_with_inplace_flag(_activation), lookup(F, " ".join(INPLACE_FLAG_ACTIVATIONS)))
 register(_elementwise("statistic"), torch_and_tensor("rsqrt"))
 # an exponential multiplying a signal weighs it (RWKV's stabilised exp-weighted average, a state space model's
 # decay exp(A dt)): relevance carried through exp into a log-domain argument has no reference point
@@ -48,10 +56,10 @@ register(_elementwise("exp"), torch_and_tensor("exp exp2"))
 register(_in_place(Tensor.exp, _elementwise("exp"), keeps_input=False), torch_and_tensor("exp_"))
 register(_elementwise("sigmoid"), torch_and_tensor("sigmoid"), [F.sigmoid])
 register(_with_inplace_flag(_elementwise("sigmoid")), [F.hardsigmoid])
-for _name in "relu sqrt rsqrt abs neg reciprocal pow clamp clip tanh".split():
+for _name in IN_PLACE_NAMES:
     # Tensor.pow_ has no torch.pow_
     register(_in_place(getattr(Tensor, _name), _elementwise_pass, keeps_input=False),
               lookup(Tensor, f"{_name}_") if _name == "pow" else torch_and_tensor(f"{_name}_"))
 register(_in_place(Tensor.sigmoid, _elementwise("sigmoid"), keeps_input=False), torch_and_tensor("sigmoid_"))
-for _function in (F.relu, F.elu, F.leaky_relu, F.hardtanh):
+for _function in IN_PLACE_ACTIVATIONS:
     register(_in_place(_function, _activation, keeps_input=False), lookup(F, f"{_function.__name__}_"))

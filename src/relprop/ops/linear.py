@@ -89,7 +89,8 @@ def _parametric(kind: OpKind, names: tuple[str, ...]) -> Handler:
         if not is_activation(x):
             return func(*args, **kwargs)
         # rules see constants; weights computed from the input count as constants too
-        weight = original_weight.detach()  # type: ignore[union-attr]
+        assert original_weight is not None  # torch's convolutions and F.linear take a weight
+        weight = original_weight.detach()
         bias = original_bias.detach() if original_bias is not None else None
         options = {key: value for key, value in bound.items() if key not in _LINEAR}
         transpose: Callable[..., Tensor] | None
@@ -122,7 +123,8 @@ def _addmm(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
         return _ADD_PRODUCTS["addmm"](session, func, args, kwargs)
     if not is_activation(x):
         return func(*args, **kwargs)
-    return _dense_by_matrix(session, func, (bias, x, weight), x, weight, bias)  # type: ignore[arg-type]
+    assert isinstance(weight, Tensor) and (bias is None or isinstance(bias, Tensor))
+    return _dense_by_matrix(session, func, (bias, x, weight), x, weight, bias)
 
 
 def _matrix_product(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -157,7 +159,7 @@ def _batch_norm(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> A
         return func(*args, **kwargs)
     producer = session.aliases.producer(x)
     mean, var = bound["running_mean"], bound["running_var"]
-    if (not isinstance(producer, ParametricCall) or producer._channel_dim is None
+    if (not isinstance(producer, ParametricCall) or not producer.merges_batch_norm
             or bound["training"] or mean is None or session.module_rule() is not None):
         return session.run(session.record(OpKind.BATCHNORM, func, args, kwargs))
     weight = bound["weight"] if bound["weight"] is not None else torch.ones_like(var)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relprop._core.kinds import OpKind
+from relprop._core.kinds import GATE_TAGS, OpKind
 from relprop._core.registry import Handler, lookup, op_name, register, torch_and_tensor
 from relprop._core.signatures import bind, bind_builtin
 from relprop._core.tensors import is_activation, plain_binary, sum_to
@@ -135,18 +135,13 @@ class ProductCall(OpCall):
 _MULTIPLY = frozenset({torch.mul, Tensor.mul, torch.multiply, Tensor.multiply})
 
 
-#: gates whose product with a constant tensor gives the relevance to that constant (GRU's ``r * b_hn`` at the
-#: first step, an LSTM's ``f * c0``): the constant is the signal, and absorbs it
-_ABSORBING_GATES = frozenset({"sigmoid", "statistic", "divisor", "exp"})
-
-
 def _gates_a_constant(tag: str | None, args: tuple) -> bool:
     """Whether a product of one activation tagged ``tag`` with the constants in ``args`` gates a constant signal.
 
     A number or a one-element tensor only scales the activation (Gemma-2's ``tanh(z / 30) * 30``), and an
     activation output (CP-LRP's gate of gated MLPs) or a softmax times a constant is a scaling too.
     """
-    if tag not in _ABSORBING_GATES:
+    if tag not in GATE_TAGS:  # a gate times a constant tensor gives the relevance to that constant
         return False
     return any(isinstance(a, Tensor) and not is_activation(a) and a.numel() > 1 for a in args)
 

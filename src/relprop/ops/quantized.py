@@ -9,7 +9,7 @@ Each handler returns the quantized kernel's output bitwise, and lets relevance
 flow through the same layer computed in floating point with the *dequantized*
 weights (``int8 * scale``, the values the kernel multiplies by), written with
 ops that carry rules: a dense layer gets the composite's dense rule, a
-recurrent layer the LSTM / GRU rules of :mod:`relprop.recurrent`. The kernel
+recurrent layer the LSTM / GRU rules of :mod:`relprop.ops.recurrent`. The kernel
 also rounds its input to 8 bits per call; the rules' ratios come from the
 unrounded input, so the relevance explains the layer the int8 weights define.
 

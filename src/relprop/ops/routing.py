@@ -76,7 +76,7 @@ register(
     lookup(F, "pad dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout pixel_shuffle "
                "pixel_unshuffle channel_shuffle unfold max_pool1d_with_indices "
                "max_pool2d_with_indices max_pool3d_with_indices"),
-    [Tensor.T.__get__, Tensor.mT.__get__, Tensor.data.__get__],  # type: ignore[attr-defined]
+    [getattr(Tensor, name).__get__ for name in ("T", "mT", "data")],
 )
 register(_combine, torch_and_tensor("where scatter index_copy masked_scatter"),
           lookup(torch, "cat concat concatenate stack hstack vstack dstack"))

@@ -4,8 +4,10 @@ A rule is a small object with parameters. The engine hands it an *op call*
 (one operation of the forward pass) and the relevance arriving at that
 operation's output; the rule returns the relevance of each of the
 operation's activation inputs. What a rule may read and call on an op call is
-the contract of :mod:`relprop._core.contract`; the call's ``kind`` is its op
-family, a member of :class:`~relprop._core.kinds.OpKind`.
+the contract of the protocols :class:`Call`, :class:`ParametricView`,
+:class:`ProductView`, :class:`SoftmaxView`, :class:`PoolView` and
+:class:`AttentionView` (defined in ``relprop._core.contract``); the call's
+``kind`` is its op family, a member of :class:`OpKind`.
 
 Linear rules follow the general form ``s = R / (z' + eps * sign(z'))``,
 ``R_in = x * VJP(s)`` with modified parameters (:class:`BasicRule`, defined

@@ -41,7 +41,7 @@ class BasicRule(Rule[ParametricView]):
     ``reducer(inputs, grads)`` combines the modified inputs with the VJPs
     ``c_t = VJP_t(s_t)`` (default: ``sum_t input_t * c_t``).
 
-    That is the rule's reference form. Where :mod:`relprop.kernels` has a fused
+    That is the rule's reference form. Where :mod:`relprop.rules.kernels` has a fused
     form for these terms and this mapper (z+, alpha-beta, gamma, z^B, flat, w^2), it
     computes the same relevance with fewer passes over memory on the calls it
     serves; everything else takes the reference form.
@@ -57,6 +57,7 @@ class BasicRule(Rule[ParametricView]):
     ----------
     terms : sequence of Term
     gradient_mapper : callable ``(relevance, outputs, z) -> list[Tensor]``
+        ``z`` is the op's output; None where the rule does not keep it (a :class:`Shares` that reads no output).
     reducer : callable ``(inputs, grads) -> Tensor``, optional
     zero_bias : bool
         Drop the bias from every term.
@@ -67,7 +68,7 @@ class BasicRule(Rule[ParametricView]):
     def __init__(
         self,
         terms: Sequence[Term],
-        gradient_mapper: Callable[[Tensor, list[Tensor], Tensor], list[Tensor]],
+        gradient_mapper: Callable[[Tensor, list[Tensor], Tensor | None], list[Tensor]],
         reducer: Callable[[list[Tensor], list[Tensor]], Tensor] | None = None,
         zero_bias: bool = False,
     ):
@@ -82,7 +83,7 @@ class BasicRule(Rule[ParametricView]):
 
     @property
     def kernel(self) -> Kernel | None:
-        """The fused form chosen for these terms (:mod:`relprop.kernels`), or None: the reference form serves."""
+        """The fused form chosen for these terms (:mod:`relprop.rules.kernels`), or None: the reference form serves."""
         return self._kernel
 
     @property
@@ -137,7 +138,7 @@ class BasicRule(Rule[ParametricView]):
             return torch.zeros_like(x)
         shape = next(out for out in outputs if out is not None)
         full = [torch.zeros_like(shape) if out is None else out for out in outputs]
-        mapped = self._gradient_mapper(relevance, full, call.output)
+        mapped = self._gradient_mapper(relevance, full, call.output if self.needs_output else None)
         found = torch.autograd.grad([full[i] for i in live], [inputs[i] for i in live], [mapped[i] for i in live])
         grads = [torch.zeros_like(x) for x in inputs]
         for i, grad in zip(live, found):

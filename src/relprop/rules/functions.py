@@ -61,7 +61,9 @@ class AsFunction(Rule[C_contra]):
 
     def surrogate_output(self, call: C_contra, x: Tensor) -> Tensor:
         """The surrogate at ``x`` with ``call``'s arguments; rules that build it from the call override this."""
-        return self.surrogate(x, **call.arguments)  # type: ignore[arg-type]  # accepts() checked the arguments
+        arguments = call.arguments
+        assert arguments is not None  # accepts() checked the arguments
+        return self.surrogate(x, **arguments)
 
     def propagate(self, call: C_contra, relevance: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = call.inputs
@@ -104,7 +106,9 @@ class Proportional(AsFunction[PoolView]):
         return True
 
     def surrogate_output(self, call: PoolView, x: Tensor) -> Tensor:
-        return call.average(x)  # type: ignore[misc]  # accepts() checked there is one  # the op family's average pooling over the op's own windows (relprop.ops)
+        average = call.average  # the op family's average pooling over the op's own windows
+        assert average is not None  # accepts() checked there is one
+        return average(x)
 
 
 def _no_surrogate(x: Tensor, **arguments: Any) -> Tensor:

@@ -9,12 +9,12 @@ relevance in fewer passes over memory:
   the sum of all positive contributions ``P = W+ x+ + W- x- + b+`` is one
   modified forward, the negative ones are ``z - P``, and ``x+`` and ``x-``
   sit side by side along the input channels with ``W+`` and ``W-`` to match
-  (:meth:`~relprop.contract.ParametricView.stack_signs`), so one transposed
+  (:meth:`~relprop.rules.ParametricView.stack_signs`), so one transposed
   product each way serves both;
 - gamma on a non-negative input: one quotient for both signs of ``z``, and
   ``W^T`` through the op's own VJP;
 - z^B: ``x W`` read off the output, and both bound terms in one transposed
-  product beside ``W``'s (:meth:`~relprop.contract.ParametricView.transpose_beside`);
+  product beside ``W``'s (:meth:`~relprop.rules.ParametricView.transpose_beside`);
 - on a non-negative input (after a ReLU) the ``x-`` terms vanish;
 - flat and w^2, whose one term reads no input (``x -> 1``): the denominator
   ``f(1; rho(W))`` is the same for every example, so it is evaluated on a

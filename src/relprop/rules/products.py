@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from relprop._core.contract import AttentionView, Call, ProductView, SoftmaxView, is_attention, is_product
+from relprop._core.kinds import GATE_TAGS
 from relprop._core.rule import Rule
 from relprop._core.sdpa import attention_weights, fused_attention, head_groups, repeat_heads, softmax_scale
 from relprop._core.tensors import sum_to
@@ -118,7 +119,7 @@ class SignalTakesAll(Rule[Call]):
     """Gated products ``gate * signal``: the signal gets all relevance, the gate none.
 
     A factor is a gate when its tag (what produced it, :attr:`ProductView.factors
-    <relprop.contract.ProductView.factors>`) is one of ``gate_kinds``: by default
+    <relprop.rules.ProductView.factors>`) is one of ``gate_kinds``: by default
     a sigmoid (LSTM gates, Arras et al. 2017; squeeze-and-excitation), a
     normalising statistic (``x * rsqrt(var)``), a divisor and an exponential
     weight; CP-LRP adds attention weights (``"softmax"``) and activations of
@@ -134,7 +135,7 @@ class SignalTakesAll(Rule[Call]):
     """
 
     #: the factor tags that make a factor a gate unless a composite says otherwise (AttnLRP's)
-    GATE_KINDS = frozenset({"sigmoid", "statistic", "divisor", "exp"})
+    GATE_KINDS = GATE_TAGS
 
     kinds = frozenset({"product", "attention"})
     needs_vjp = True  # for matrix products: the linear map of the signal, with the gate held constant

@@ -4,12 +4,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relprop._core.contract import Call
+from relprop._core.contract import Call, ParametricView, is_parametric
 from relprop.rules.basic import BasicRule
 from relprop.rules.functions import AsFunction, _no_surrogate
 
@@ -89,30 +90,36 @@ class SmoothStride(AsFunction):
         if not self.any_stride or call.kind != "conv":
             return False
         if self.rule is not None:
-            return self.rule.accepts(call)  # type: ignore[arg-type]  # a conv call is parametric
+            return is_parametric(call) and self.rule.accepts(call)
         return call.arguments is not None
 
     def conserves(self, call: Call) -> bool:
         if call.kind == "maxpool":
             return True
+        if not is_parametric(call):  # accepts() took convolutions and max pooling alone
+            return False
         if self.rule is not None:
-            return self.rule.conserves(call)  # type: ignore[arg-type]  # convolutions are parametric
-        return call.bias is None  # type: ignore[attr-defined]
+            return self.rule.conserves(call)
+        return call.bias is None
 
     def surrogate_output(self, call: Call, x: Tensor) -> Tensor:
         window = _Window.of(call)
         if window is None or not window.strided:  # an op left as it is (any_stride): the epsilon rule on the op
-            return call.func(x, **call.arguments)  # type: ignore[arg-type]  # accepts() checked the arguments
+            arguments = call.arguments
+            assert arguments is not None  # accepts() checked the arguments
+            return call.func(x, **arguments)
         smoothed = _SmoothedConv.of(call, window)
         return smoothed.evaluate(x, smoothed.weight, smoothed.bias)
 
     def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         if self.rule is None or call.kind == "maxpool":
             return super().propagate(call, relevance)
+        assert is_parametric(call)  # accepts() took convolutions and max pooling alone
         window = _Window.of(call)
         if window is None or not window.strided:
-            return self.rule.propagate(call, relevance)  # type: ignore[arg-type]  # convolutions are parametric
-        return self.rule.propagate(_SmoothedConv.of(call, window), relevance)  # type: ignore[arg-type]
+            return self.rule.propagate(call, relevance)
+        # the smoothed convolution offers what the rule reads of a convolution (ParametricView)
+        return self.rule.propagate(cast(ParametricView, _SmoothedConv.of(call, window)), relevance)
 
     def __repr__(self) -> str:
         extra = ", any_stride=True" if self.any_stride else ""
@@ -140,8 +147,8 @@ class _Window:
         options = call.arguments
         if options is None:
             return None
-        if call.kind == "conv" and call.func in _CONVOLUTIONS:
-            weight = call.weight  # type: ignore[attr-defined]  # convolutions are parametric
+        if call.kind == "conv" and call.func in _CONVOLUTIONS and is_parametric(call):
+            weight = call.weight
             dims, padding = weight.dim() - 2, options.get("padding", 0)
             if isinstance(padding, str):
                 return None
@@ -221,7 +228,8 @@ class _SmoothedConv:
             weight = x.new_full((channels, 1, *window.kernel), 1.0 / math.prod(window.kernel))
             return cls(call, window, weight, None, channels, func)
         options = call.arguments
-        return cls(call, window, options["weight"], options["bias"], options.get("groups", 1), func)  # type: ignore
+        assert options is not None  # _Window.of found the window in them
+        return cls(call, window, options["weight"], options["bias"], options.get("groups", 1), func)
 
     @property
     def inputs(self) -> tuple[Tensor, ...]:
@@ -250,7 +258,7 @@ class _SmoothedConv:
 
     def routed_image(self, value: Tensor | float) -> Tensor | None:
         """ZBox's bounds taken through the routing ops before the op (:meth:`ParametricView.routed_image`)."""
-        return self.call.routed_image(value)  # type: ignore[attr-defined]  # convolutions are parametric
+        return self.call.routed_image(value) if is_parametric(self.call) else None
 
     def describe(self) -> str:
         return f"the smoothed stride-1 form of {self.call.describe()}"

@@ -1,6 +1,6 @@
 """The vocabulary of the linear rules: terms (a weight map and an input map) and how they share relevance.
 
-:class:`~relprop.rules.BasicRule` is defined by these; :mod:`.kernels`
+:class:`~relprop.rules.BasicRule` is defined by these; :mod:`relprop.rules.kernels`
 recognises them to pick a fused form.
 """
 from __future__ import annotations
@@ -129,7 +129,7 @@ class Shares:
         """Whether it reads the op's output (for ``where``)."""
         return any(self.where)
 
-    def __call__(self, relevance: Tensor, outputs: list[Tensor], z: Tensor) -> list[Tensor]:
+    def __call__(self, relevance: Tensor, outputs: list[Tensor], z: Tensor | None) -> list[Tensor]:
         grads: list[Tensor] = []
         start = 0
         for size, weight, where in zip(self.groups, self.weights, self.where):
@@ -137,7 +137,11 @@ class Shares:
             total = outputs[start]
             for sign, out in zip(signs[1:], outputs[start + 1:start + size]):
                 total = total + out if sign > 0 else total - out
-            shared = relevance if where == 0 else relevance * (z > 0 if where > 0 else z < 0)
+            if where == 0:
+                shared = relevance
+            else:
+                assert z is not None  # reads_output: the rule keeps the output for it
+                shared = relevance * (z > 0 if where > 0 else z < 0)
             shared = shared / denominator(total, self.stabilizer)
             if weight != 1:
                 shared = weight * shared

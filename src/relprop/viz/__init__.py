@@ -69,7 +69,7 @@ def _to_map(relevance: Array) -> np.ndarray:
 
 
 def scale_of(relevance: Array, clip: float | None = None) -> float:
-    """The value that maps to the ends of the colour map: max |relevance|, or its ``clip`` percentile."""
+    """The value that maps to the ends of the colour map: max ``|relevance|``, or its ``clip`` percentile."""
     magnitude = np.abs(_to_map(relevance))
     if clip is None:
         return float(magnitude.max())
@@ -95,7 +95,7 @@ def heatmap(relevance: Array, cmap: str = "bwr", clip: float | None = None) -> n
         A matplotlib colour map name, or ``"coldnhot"``. Diverging maps
         (``"bwr"``, ``"seismic"``, ``"coldnhot"``) show the sign.
     clip : float, optional
-        Percentile of |relevance| that maps to the ends of the colour map
+        Percentile of ``|relevance|`` that maps to the ends of the colour map
         (``99.5`` keeps a few extreme pixels from washing out the rest).
     """
     colours = colormap(cmap)((normalize(relevance, clip) + 1.0) / 2.0)[..., :3]
@@ -208,7 +208,7 @@ def save_pixel_flipping(curves: Mapping[str, Mapping[str, torch.Tensor]], path: 
     Parameters
     ----------
     curves : panel title -> method name -> Tensor (steps + 1, N)
-        As :func:`relprop.evaluate.pixel_flipping` returns them. A method named
+        As :func:`relprop.workflows.evaluate.pixel_flipping` returns them. A method named
         ``"random"`` is drawn dashed, and left out of the lower panel. The best
         explanation (highest AOPC) is the reference of the lower panel; each legend
         entry gives the AOPC. A method has the same colour in every panel.

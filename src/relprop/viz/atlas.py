@@ -1,7 +1,7 @@
 """Pictures of a concept atlas: reference crops, one image per channel, an HTML index, and a glocal figure.
 
 A *reference crop* shows where a channel acts on one of its reference
-samples (:func:`relprop.concepts.reference_samples`): for a layer with
+samples (:func:`relprop.workflows.concepts.reference_samples`): for a layer with
 spatial maps, the receptive field of the position where the channel's
 relevance (or activation) is largest, found as the input pixels on which
 that single value depends (its gradient is non-zero); for a layer without
@@ -118,7 +118,7 @@ def reference_crops(model: nn.Module, dataset: Any, layer: str, top: TopSamples,
                     threshold: float = 0.2, context: float = 0.5) -> list[Crop]:
     """The crops of the first ``count`` reference samples of one channel (see the module docstring).
 
-    ``top`` is ``result[layer][mode]`` of :func:`relprop.concepts.reference_samples`; ``composite``
+    ``top`` is ``result[layer][mode]`` of :func:`relprop.workflows.concepts.reference_samples`; ``composite``
     should be the one it was run with. Inputs are images (C, H, W). A crop is square, centred on the
     receptive field (or thresholded heatmap), and at least ``context`` of the image's side, so that a
     small receptive field is seen in its surroundings; it is resized to ``size`` pixels.
@@ -196,7 +196,7 @@ def render_atlas(source: str | Path | Mapping, model: nn.Module, dataset: Any, l
 
     Parameters
     ----------
-    source : folder of a finished :func:`relprop.concepts.reference_samples` run, or its result
+    source : folder of a finished :func:`relprop.workflows.concepts.reference_samples` run, or its result
     model, dataset :
         The model and dataset the references were found on (crops are recomputed from them).
     layer : str

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from relprop.methods.attribution import LRP, output_relevance
+from relprop.methods.attribution import LRP
 from relprop.methods.layer import Tapper, backward_to_taps, resolve_module
+from relprop.methods.targets import output_relevance
 from relprop.workflows.dataset import (
     _local,
     _run_shards,

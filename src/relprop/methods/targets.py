@@ -1,0 +1,180 @@
+"""What an attribution explains: the model's logits, the target chosen in them, and the seed put there.
+
+``target`` follows captum: an int (class along dim 1), a tuple indexing the trailing dimensions, a list or
+1-D tensor with one target per example, or None for one output per example; the output relevance (the
+seed) is the target's output value, so that relevance sums to about ``f_t(x)``.
+"""
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from relprop.methods._inputs import Target, as_tuple
+
+
+def model_logits(output: Any) -> Tensor:
+    """The tensor a model's output is explained on: itself, its ``logits``, or its first tensor."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping) or hasattr(output, "keys"):
+        if "logits" in output.keys() and isinstance(output["logits"], Tensor):
+            return output["logits"]
+        values = list(output.values())
+    elif isinstance(output, (tuple, list)):
+        values = list(output)
+    else:
+        raise TypeError(f"relprop: the model returned {type(output).__name__}; expected a tensor, a tuple, "
+                        "a dict or a ModelOutput holding one")
+    for value in values:
+        if isinstance(value, Tensor):
+            return value
+    raise TypeError(f"relprop: the model returned a {type(output).__name__} without any tensor to explain")
+
+
+def _is_index(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_index(index: tuple, shape: torch.Size, target: Any) -> tuple[int, ...]:
+    if len(index) > len(shape) - 1:
+        raise ValueError(f"relprop: target {target!r} has {len(index)} indices, but the model output of shape "
+                         f"{tuple(shape)} has only {len(shape) - 1} dimension(s) after the batch dimension")
+    checked = []
+    for dim, value in enumerate(index, start=1):
+        if not _is_index(value):
+            raise TypeError(f"relprop: target {target!r} must hold integers, got {type(value).__name__}")
+        value, size = int(value), shape[dim]
+        if not -size <= value < size:
+            raise ValueError(f"relprop: target {target!r} is out of range for the model output of shape "
+                             f"{tuple(shape)}: index {value} on dimension {dim} of size {size}")
+        checked.append(value)
+    return tuple(checked)
+
+
+def target_mask(output: Tensor, target: Target) -> Tensor:
+    """A boolean mask of the output entries that ``target`` selects (captum's semantics).
+
+    ``target`` is None (one output per example), an int (the class along
+    dimension 1), a tuple indexing the dimensions after the batch dimension
+    (``(-1, token)``), or a list / 1-D integer tensor with one such target per
+    example. A list or tensor of one target is used for every example, as
+    captum does (``torch.tensor([2])`` for a batch of 4).
+    """
+    batch = output.shape[0] if output.dim() else 1
+    mask = torch.zeros_like(output, dtype=torch.bool)
+    if target is None:
+        if output.numel() != batch:
+            raise ValueError(f"relprop: the model output has shape {tuple(output.shape)}, more than one value per "
+                             "example; pass target= to choose which one to explain")
+        mask.fill_(True)
+    elif _is_index(target) or isinstance(target, tuple):
+        index = _check_index(target if isinstance(target, tuple) else (target,), output.shape, target)
+        key: tuple[slice | int, ...] = (slice(None), *index)
+        mask[key] = True
+    elif isinstance(target, (list, Tensor)):
+        if isinstance(target, Tensor) and target.dim() != 1:
+            raise ValueError(f"relprop: a target tensor must be 1-D (one class per example), got shape "
+                             f"{tuple(target.shape)}")
+        targets = target.tolist() if isinstance(target, Tensor) else list(target)
+        if len(targets) == 1:
+            targets = targets * batch
+        if len(targets) != batch:
+            raise ValueError(f"relprop: {len(targets)} targets given for a batch of {batch} examples")
+        for example, item in enumerate(targets):
+            index = _check_index(item if isinstance(item, tuple) else (item,), output.shape, item)
+            mask[(example, *index)] = True
+    else:
+        raise TypeError(f"relprop: target must be None, an int, a tuple, a list or a tensor, "
+                        f"got {type(target).__name__}")
+    return mask
+
+
+class Contrastive:
+    """A contrastive target: explain ``f_t - mean of the other outputs`` instead of ``f_t``.
+
+    The output relevance is ``f_t`` at the target and ``-f_j / (C - 1)`` at
+    each of the ``C - 1`` other entries along the target's last indexed
+    dimension (the classes, or the vocabulary at a position).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> import relprop
+    >>> relprop.Contrastive(0).relevance(torch.tensor([[1.0, 2.0, 4.0]]))
+    tensor([[ 1., -1., -2.]])
+    >>> lrp = relprop.LRP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5)).eval())
+    >>> lrp.attribute(torch.randn(2, 4), target=relprop.Contrastive(3)).shape  # class 3 against the others
+    torch.Size([2, 4])
+    >>> language_model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 10)).eval()
+    >>> input_ids, token_id = torch.tensor([[1, 4, 2, 7]]), 5  # token 5 at the last position, against the others
+    >>> relprop.LRP(language_model).attribute(input_ids, target=relprop.Contrastive((-1, token_id))).shape
+    torch.Size([1, 4])
+    """
+
+    def __init__(self, target: Target):
+        self.target = target
+
+    def relevance(self, output: Tensor) -> Tensor:
+        mask = target_mask(output, self.target)
+        depth = len(self.target) if isinstance(self.target, tuple) else 1
+        if isinstance(self.target, list) and self.target and isinstance(self.target[0], tuple):
+            depth = len(self.target[0])
+        others = mask.any(depth, keepdim=True).expand_as(mask) & ~mask
+        zero = torch.zeros((), dtype=output.dtype, device=output.device)
+        return torch.where(mask, output, zero) - torch.where(others, output, zero) / (output.shape[depth] - 1)
+
+    def __repr__(self) -> str:
+        return f"Contrastive({self.target!r})"
+
+
+def output_relevance(output: Tensor, target: Target) -> Tensor:
+    """The relevance seeded at the output: ``output`` where ``target`` selects, 0 elsewhere.
+
+    See :func:`~relprop.methods.target_mask` for ``target``. A floating-point tensor of the
+    output's shape is taken as the output relevance itself; a
+    :class:`Contrastive` target explains the target against the others.
+    """
+    if isinstance(target, Contrastive):
+        return target.relevance(output.detach())
+    if isinstance(target, Tensor) and target.is_floating_point():
+        if target.shape != output.shape:
+            raise ValueError(f"relprop: output relevance of shape {tuple(target.shape)} does not match the model "
+                             f"output of shape {tuple(output.shape)}")
+        return target.to(output.dtype).detach()
+    value = output.detach()
+    return torch.where(target_mask(value, target), value, torch.zeros((), dtype=value.dtype, device=value.device))
+
+
+def convergence_delta(seed: Tensor, relevance: Tensor | Sequence[Tensor | None] | None) -> Tensor:
+    """``seed total - relevance total`` per example: the relevance the rules absorbed (or created).
+
+    The one definition of the delta in relprop (captum's ``LRP`` sign): 0
+    where relevance is conserved from the output down to ``relevance``.
+
+    Parameters
+    ----------
+    seed : Tensor
+        The output relevance, or the explained output value per example; batch first.
+    relevance : Tensor or sequence of Tensors
+        The relevance of the inputs (or of a layer), each batch first; None entries are skipped.
+
+    Returns
+    -------
+    Tensor of shape (N,)
+    """
+    parts = [r for r in as_tuple(relevance) if r is not None]
+    batch = seed.shape[0] if seed.dim() else 1
+    if any(r.dim() == 0 or r.shape[0] != batch for r in parts):
+        raise ValueError("relprop: the convergence delta is per example and needs every input batch first; "
+                         f"got input shapes {[tuple(r.shape) for r in parts]} for a seed of shape "
+                         f"{tuple(seed.shape)}")
+    total = sum((r.reshape(batch, -1).sum(1) for r in parts), torch.zeros(batch, dtype=seed.dtype,
+                                                                             device=seed.device))
+    return seed.reshape(batch, -1).sum(1) - total
