@@ -37,8 +37,8 @@ def attention_relevance(call: AttentionView, relevance: Tensor, epsilon: float,
     factors = [role for role in ("query", "key") if role in roles]
     values_only = values_only or not (factors or "attn_mask" in roles)
     # each argument's share of its x * VJP: q k^T's half of the relevance split over its activation factors
-    shares = {"value": 1.0} if values_only else {"value": 0.5, "attn_mask": 0.5,
-                                                 **dict.fromkeys(factors, 0.5 / max(len(factors), 1))}
+    shares: dict[str, float] = {"value": 1.0} if values_only else {
+        "value": 0.5, "attn_mask": 0.5, **dict.fromkeys(factors, 0.5 / max(len(factors), 1))}
     wanted = [role for role in roles if role in shares]
     if not wanted:
         return (None,) * len(roles)

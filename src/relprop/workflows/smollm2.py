@@ -57,9 +57,10 @@ def _convert(target: Path) -> None:
     source = gguf_path()
     for module in ("gguf", "accelerate"):
         _require(module)
-    model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype="float32")
+    model: Any = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    model.hf_quantizer = None  # dequantized already: save_pretrained would refuse a quantizer without serialization
+    # dequantized already: save_pretrained would refuse a quantizer without serialization
+    model.hf_quantizer = None
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
