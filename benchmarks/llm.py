@@ -136,7 +136,7 @@ def main() -> None:
     if args.memory_child:
         memory_child(args.memory_child[0], int(args.memory_child[1]))
         return
-    model, tokenizer = load_smollm2()
+    model, tokenizer = (None, None) if args.no_time else load_smollm2()  # --no-time: the model in the children only
     timed = "one run each, in its measurement process" if args.no_time else (
         f"median of {args.rounds} interleaved rounds after a warm-up")
     print(f"SmolLM2-135M-Instruct, float32, {torch.get_num_threads()} thread(s), torch {torch.__version__}; "
