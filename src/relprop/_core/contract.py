@@ -54,6 +54,11 @@ class Call(Protocol):
         """Whether an in-place ReLU has since written ``relu(output)`` into the output's memory."""
 
     @property
+    def reusable(self) -> bool:
+        """Whether the call serves several backward passes: the rule must not write into its inputs, its output
+        or what it prepared (:meth:`take_output` then gives None, :attr:`scratch` is empty)."""
+
+    @property
     def scratch(self) -> frozenset[int]:
         """Indices of :attr:`inputs` that are copies only the rule reads: it may write into them."""
 

@@ -92,6 +92,9 @@ class OpCall:
     dim: int
     #: the number of dimensions of the output (set by :func:`propagate`)
     output_dim: int
+    #: whether the call serves several backward passes (a reusable :meth:`relprop.LRP.record`): it then keeps
+    #: what it holds after each, and rules leave its inputs, output and ``prepared`` as they are
+    reusable: bool = False
     #: max pooling: the average pooling over the same windows (None where dilated)
     average: Callable[[Tensor], Tensor] | None
 
@@ -298,7 +301,7 @@ class OpCall:
             raise RuntimeError(f"relprop: rule {self.rule!r} takes the VJP of {self.describe()} without setting "
                                "needs_vjp = True; set it on the rule")
         leaves, out = self._graph
-        return torch.autograd.grad(out, leaves, grad, allow_unused=True)
+        return torch.autograd.grad(out, leaves, grad, allow_unused=True, retain_graph=self.reusable)
 
     def take_output(self) -> Tensor | None:
         """:attr:`output` for the rule to write into, if no other tensor shares its memory; else None.
@@ -315,6 +318,8 @@ class OpCall:
         """
         lone = _lone_storage_count()
         output = self._output
+        if self.reusable:  # the next backward pass reads it again
+            return None
         if output is None or lone is None or _storage_count(output) != lone:
             return None
         self._output = None
@@ -347,7 +352,12 @@ class OpCall:
             self.settle()
 
     def finish(self) -> None:
-        """After the backward pass through this op: free what it kept, as autograd frees saved tensors."""
+        """After the backward pass through this op: free what it kept, as autograd frees saved tensors.
+
+        A reusable call keeps it all for the next backward pass; it is freed with the recorded pass.
+        """
+        if self.reusable:
+            return
         self.finished = True
         self.inputs = ()
         self._output = self._preparation = self._graph = self._outer = self.overwrites = None
@@ -458,6 +468,6 @@ class InPlaceSumCall(AddCall):
         super().prepare()
         if self._producer is not None:
             self._producer.prepare()
-            if self._producer.kept_output is None:
+            if self._producer.kept_output is None and not self.reusable:
                 self.scratch = frozenset({0})
             self._producer = None

@@ -54,7 +54,7 @@ class _Propagate(torch.autograd.Function):
     def backward(ctx: Any, relevance: Tensor | None) -> tuple[Tensor | None, ...]:
         call = ctx.call
         if call.finished:
-            raise RuntimeError("relprop: relevance crosses a recorded forward pass once; run the forward again")
+            raise RuntimeError("relprop: relevance crosses this recorded forward pass once: run the forward again, or record it with reusable=True")
         if relevance is None:
             return (None,) * (1 + len(call.inputs))
         call.check_inputs()

@@ -300,6 +300,8 @@ class ParametricCall(OpCall):
 
     def finish(self) -> None:
         super().finish()
+        if self.reusable:
+            return
         self._merged_weight = None  # a copy of the layer's weights, else kept until the graph is freed
         self._transpose = None  # a transposed convolution holds its input (for the shape)
 

@@ -116,12 +116,17 @@ class Session(TorchFunctionMode):
     guard : bool
         Report ops whose rule hands on NaN or infinite relevance, or creates
         relevance where it should conserve it (:class:`~relprop.ConservationWarning`).
+    reusable : bool
+        Every op call serves several backward passes (many seeds from one
+        forward pass): it keeps what it holds, and its rule writes nothing in place.
     """
 
     def __init__(self, model: nn.Module, composite: RuleSource, strict: bool = False,
                  taps: Mapping[nn.Module, Any] | None = None, audit: Callable[..., None] | None = None,
-                 token_inputs: tuple[Tensor, ...] = (), guard: bool = True):
+                 token_inputs: tuple[Tensor, ...] = (), guard: bool = True, reusable: bool = False):
         super().__init__()
+        #: op calls serve several backward passes (:attr:`~relprop.engine.OpCall.reusable`)
+        self.reusable = reusable
         self.composite = composite
         self.strict = strict
         self.audit = audit
@@ -256,6 +261,7 @@ class Session(TorchFunctionMode):
         """Run ``call`` as a relevance node with its rule (``rule``, from ``source``, or the composite's choice)."""
         if rule is None:
             rule, source = self.rule_for(call)
+        call.reusable = self.reusable
         # entries an in-place ReLU set to 0 among the inputs: of interest unless they get no relevance
         zeroed = self.aliases.zeroed_for(call, rule)
         if rule is None:  # winner-take-all: the gradient is the rule

@@ -199,20 +199,26 @@ class LRP(Attribution):
             yield session
 
     @contextmanager
-    def _session(self, taps: Any = None, audit: Any = None, token_inputs: tuple[Tensor, ...] = ()
-                 ) -> Iterator[Session]:
-        session = self.session_class(self.model, self.composite, self.strict, taps=taps, audit=audit, token_inputs=token_inputs,
-                          guard=self.guard)
+    def _session(self, taps: Any = None, audit: Any = None, token_inputs: tuple[Tensor, ...] = (),
+                 reusable: bool = False) -> Iterator[Session]:
+        session = self.session_class(self.model, self.composite, self.strict, taps=taps, audit=audit,
+                                     token_inputs=token_inputs, guard=self.guard, reusable=reusable)
         with torch.enable_grad(), session.active(), hold_selective_parameters(self.model):
             yield session
 
     @_eager
     def record(self, inputs: Inputs, additional_forward_args: Any = None, taps: Any = None,
-               audit: Any = None) -> ForwardPass:
+               audit: Any = None, reusable: bool = True) -> ForwardPass:
         """Run the model once under the engine and keep the pass, for :meth:`~relprop.methods.ForwardPass.relevance`.
 
-        Use it to choose the output relevance after seeing the output. A
-        recorded pass carries relevance once: record again for another seed.
+        Use it to choose the output relevance after seeing the output, and to
+        explain many seeds from one forward pass (per-class maps, every token
+        of a generation): a reusable pass carries relevance any number of
+        times, each equal to a fresh attribution
+        (:meth:`~relprop.methods.ForwardPass.relevances` takes a batch of seeds
+        at once). With ``reusable=False`` it carries relevance once, frees what
+        it kept along the way and lets its rules write in place: what
+        :meth:`attribute` does, for the least time and memory.
         ``additional_forward_args`` may be a tuple of further positional
         arguments or a dict of keyword arguments (``attention_mask=...``).
         ``taps`` and ``audit`` are handed to :class:`~relprop.engine.Session`.
@@ -237,11 +243,11 @@ class LRP(Attribution):
         extra, keywords = forward_arguments(additional_forward_args)
         leaves = tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs)
         tokens = tuple(x for x in leaves if not x.is_floating_point())
-        with self._session(taps, audit, tokens) as session:
+        with self._session(taps, audit, tokens, reusable) as session:
             # the model sees copies, so that in-place ops on its inputs are allowed
             output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra, **keywords)
         embeddings = {_position(leaves, tokens[i]): found for i, found in session.embeddings.items()}
-        return ForwardPass(leaves, model_logits(output), embeddings)
+        return ForwardPass(leaves, model_logits(output), embeddings, reusable)
 
     @_eager
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,
@@ -271,7 +277,7 @@ class LRP(Attribution):
         Tensor, or tuple of Tensors for tuple inputs; and the delta if asked.
         """
         with torch.inference_mode(False), cyclic_gc_paused():
-            explained = self.record(inputs, additional_forward_args)
+            explained = self.record(inputs, additional_forward_args, reusable=False)
             seed = output_relevance(explained.logits, target)
             relevance = explained.relevance(seed)
         result = relevance[0] if isinstance(inputs, Tensor) else relevance
@@ -323,9 +329,12 @@ class ForwardPass:
     logits : Tensor
     """
 
-    def __init__(self, inputs: tuple[Tensor, ...], logits: Tensor, embeddings: dict[int, list[Tensor]]):
+    def __init__(self, inputs: tuple[Tensor, ...], logits: Tensor, embeddings: dict[int, list[Tensor]],
+                 reusable: bool = False):
         self.inputs = inputs
         self.logits = logits
+        #: whether it carries relevance any number of times (see :meth:`LRP.record`)
+        self.reusable = reusable
         self._embeddings = embeddings
 
     @_eager
@@ -336,8 +345,8 @@ class ForwardPass:
         if (explained or embedded) and not self.logits.requires_grad:
             raise RuntimeError("relprop: the model output does not depend on the inputs through autograd: the model "
                                "detached it, or computed it under torch.no_grad()")
-        grads = iter(torch.autograd.grad(self.logits, explained + embedded, seed, allow_unused=True)
-                     if explained or embedded else ())
+        grads = iter(torch.autograd.grad(self.logits, explained + embedded, seed, allow_unused=True,
+                                         retain_graph=self.reusable) if explained or embedded else ())
         by_leaf = {id(leaf): next(grads) for leaf in explained + embedded}
         relevance = []
         for index, x in enumerate(self.inputs):
@@ -352,5 +361,20 @@ class ForwardPass:
                     tokens = tokens + grad.sum(-1).reshape(x.shape)
             relevance.append(tokens)
         return tuple(relevance)
+
+    def relevances(self, seeds: Tensor) -> tuple[Tensor, ...]:
+        """The relevance of each input for each of ``seeds`` (a leading seed dimension): one backward pass each.
+
+        Each seed is ``seeds[k]``, shaped like the logits; each result has the seed dimension first. The pass
+        must be reusable (see :meth:`LRP.record`).
+        """
+        if not self.reusable:
+            raise RuntimeError("relprop: this recorded pass carries relevance once; record it with reusable=True "
+                               "to propagate several seeds")
+        if seeds.shape[1:] != self.logits.shape:
+            raise ValueError(f"relprop: seeds of shape {tuple(seeds.shape)} do not stack seeds of the logits' shape "
+                             f"{tuple(self.logits.shape)}")
+        found = [self.relevance(seed) for seed in seeds]
+        return tuple(torch.stack(per_input) for per_input in zip(*found))
 
 

@@ -94,7 +94,7 @@ def audit(model: nn.Module, inputs: Inputs, target: Target = None, composite: Co
 
     lrp = LRP(model, composite)
     with torch.inference_mode(False):
-        explained = lrp.record(inputs, additional_forward_args, audit=record)
+        explained = lrp.record(inputs, additional_forward_args, audit=record, reusable=False)
         seed = output_relevance(explained.logits, target)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # unhandled ops are rows of the table here

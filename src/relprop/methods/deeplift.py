@@ -141,9 +141,9 @@ class _DeepLiftLRP(LRP):
     session_class = _DeepLiftSession
 
     @contextmanager
-    def _session(self, taps: Any = None, audit: Any = None, token_inputs: tuple[Tensor, ...] = ()
-                 ) -> Iterator[Session]:
-        with super()._session(taps, audit, token_inputs) as session:
+    def _session(self, taps: Any = None, audit: Any = None, token_inputs: tuple[Tensor, ...] = (),
+                 reusable: bool = False) -> Iterator[Session]:
+        with super()._session(taps, audit, token_inputs, reusable) as session:
             self.last_session: _DeepLiftSession = session  # type: ignore[assignment]
             yield session
 
@@ -166,7 +166,7 @@ class _Joint:
         positional, keywords = tile_arguments(forward_arguments(additional_forward_args), batch)
         joined = tuple(torch.cat([x, start]) for x, start in zip(items, starts))
         with torch.inference_mode(False):
-            self.explained = self.lrp.record(joined, keywords or positional, taps=taps)
+            self.explained = self.lrp.record(joined, keywords or positional, taps=taps, reusable=False)
         logits = self.explained.logits
         if logits.dim() == 0 or logits.shape[0] != 2 * batch:
             raise ValueError(f"relprop: DeepLift needs the model output batch first ({2 * batch} rows for inputs "

@@ -152,7 +152,8 @@ class LayerLRP(Attribution):
              reduce: Reduce | None = None) -> tuple[Tensor, list[Tapper]]:
         tappers = [Tapper(attribute_to_layer_input, reduce) for _ in self.layers]
         with torch.inference_mode(False):
-            explained = self.lrp.record(inputs, additional_forward_args, taps=dict(zip(self.layers, tappers)))
+            explained = self.lrp.record(inputs, additional_forward_args, taps=dict(zip(self.layers, tappers)),
+                                        reusable=False)
             seed = output_relevance(explained.logits, target)
             backward_to_taps(explained.logits, seed, tappers)
         return seed, tappers
@@ -223,7 +224,7 @@ class LayerLRP(Attribution):
         repeated = inputs.repeat(count, *[1] * (inputs.dim() - 1))
         tapper = Tapper(input=False)
         with torch.inference_mode(False):
-            explained = self.lrp.record(repeated, additional_forward_args, taps={layer: tapper})
+            explained = self.lrp.record(repeated, additional_forward_args, taps={layer: tapper}, reusable=False)
             (leaf,) = explained.inputs
             if len(tapper.calls) != 1:
                 raise ValueError(f"relprop: conditioning needs a layer that runs once, "
@@ -293,6 +294,6 @@ def module_relevance(model: nn.Module, inputs: Inputs, target: Target = None,
                if name and any(fnmatchcase(name, pattern) for pattern in patterns)}
     by_module = {model.get_submodule(name): tapper for name, tapper in tappers.items()}
     with torch.inference_mode(False):
-        explained = lrp.record(inputs, additional_forward_args, taps=by_module)
+        explained = lrp.record(inputs, additional_forward_args, taps=by_module, reusable=False)
         relevance = explained.relevance(output_relevance(explained.logits, target))
     return ModuleRelevance(tappers, relevance)

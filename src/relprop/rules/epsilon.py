@@ -52,7 +52,8 @@ class Epsilon(Rule[Call]):
 
     def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         inverse = call.prepared
-        scaled = torch.mul(relevance, inverse, out=inverse)  # the inverse is read once
+        # the inverse is read once, unless the call serves several backward passes
+        scaled = relevance * inverse if call.reusable else torch.mul(relevance, inverse, out=inverse)
         grads = call.vjp(scaled)
         if call.kind in PARAMETRIC_KINDS:  # fresh tensors from a transposed product: scaled in place
             return tuple(None if c is None else c.mul_(x) for x, c in zip(call.inputs, grads))

@@ -135,7 +135,7 @@ class _Pass:
         inputs, labels = batch_inputs(dataset, ids, self.device)
         tappers = [Tapper(input=False) for _ in self.modules]
         with torch.inference_mode(False):
-            explained = self.lrp.record(inputs, taps=dict(zip(self.modules, tappers)))
+            explained = self.lrp.record(inputs, taps=dict(zip(self.modules, tappers)), reusable=False)
             targets = _targets(self.target, explained.logits.detach().argmax(1), labels)
             for name, tapper in zip(self.names, tappers):
                 if len(tapper.calls) != 1 or len(tapper.records()) != 1:

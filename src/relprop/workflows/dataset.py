@@ -434,7 +434,7 @@ def explain_batch(lrp: LRP, inputs: Tensor, choose: Callable[[Tensor], list[int]
     ``choose(logits)`` picks the classes, after the forward pass (the prediction, a label, a fixed class).
     """
     with cyclic_gc_paused():  # as LRP.attribute: the batch's op records are freed by reference counting
-        explained = lrp.record(inputs)
+        explained = lrp.record(inputs, reusable=False)
         logits = explained.logits.detach()
         chosen = choose(logits)
         (relevance,) = explained.relevance(output_relevance(explained.logits, chosen))
