@@ -11,30 +11,29 @@ from torch import Tensor
 
 from relprop._core.kinds import OpKind
 from relprop._core.registry import ALWAYS_HANDLED, op_name, register
+from relprop._core.sdpa import SDPA_ARGUMENTS, SDPA_TENSORS
 from relprop._core.signatures import bind, bind_builtin
 from relprop._core.tensors import constant, is_activation
 from relprop.engine.calls import OpCall
 from relprop.engine.nodes import substitute
 from relprop.ops.host import OpHost
 
-_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
 
 class AttentionCall(OpCall):
     """``F.scaled_dot_product_attention``, decomposed for its rule in the backward pass.
 
-    The forward output is the fused kernel's. In the backward pass the
-    attention is recomputed as ``softmax(q k^T * scale + mask) @ v`` (with
-    ``is_causal`` and grouped-query heads) and relevance is split over its
-    two matrix products and its softmax.
+    The forward output is the fused kernel's. In the backward pass the rule
+    splits the relevance over its two matrix products and its softmax; AttnLRP
+    and CP-LRP do it through the fused kernel's own backward, without the
+    T x T attention weights (:func:`relprop.rules.products.attention_relevance`).
     """
 
     def __init__(self, func: Callable, args: tuple, kwargs: dict, module_name: str) -> None:
         super().__init__(OpKind.ATTENTION, func, args, kwargs, op_name(func), module_name)
-        bound = bind_builtin(_SDPA, args, kwargs)
-        self._parts = {key: constant(bound.get(key)) for key in _SDPA}
+        bound = bind_builtin(SDPA_ARGUMENTS, args, kwargs)
+        self._parts = {key: constant(bound.get(key)) for key in SDPA_ARGUMENTS}
         # a float mask computed from activations (SAM's decomposed relative positions) is a score term too
-        self._roles = [key for key in ("query", "key", "value", "attn_mask") if is_activation(bound.get(key))]
+        self._roles = [key for key in SDPA_TENSORS if is_activation(bound.get(key))]
 
     def _needs_graph(self) -> bool:
         return False

@@ -1,7 +1,6 @@
 """Rules of products, softmax and fused attention (AttnLRP, CP-LRP)."""
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -10,13 +9,14 @@ from torch import Tensor
 from relprop._core.contract import AttentionView, Call, ProductView, SoftmaxView, is_attention, is_product
 from relprop._core.kinds import GATE_TAGS
 from relprop._core.rule import Rule
+from relprop._core.sdpa import attention_weights, fused_attention, head_groups, repeat_heads, softmax_scale
 from relprop._core.tensors import sum_to
 from relprop.rules.stabilizers import inverse_denominator
 
 
 def attention_relevance(call: AttentionView, relevance: Tensor, epsilon: float,
                         values_only: bool) -> tuple[Tensor | None, ...]:
-    """Relevance of a fused attention's activation inputs: ``softmax(q k^T * scale + mask) @ v`` recomputed.
+    """Relevance of a fused attention's activation inputs, from the fused kernel's own backward (O(T) memory).
 
     ``values_only`` (CP-LRP): the values take all of it. Else (AttnLRP) the
     product ``weights @ v`` splits it evenly between the weights and ``v``
@@ -24,21 +24,45 @@ def attention_relevance(call: AttentionView, relevance: Tensor, epsilon: float,
     softmax takes its rule (:class:`Softmax`), and ``q k^T`` splits its share
     evenly between ``q`` and ``k``; an activation mask gets its own share of
     each score. Grouped-query heads sum back onto their key and value heads.
+
+    With ``(dq, dk, dv, dmask)`` the VJP of ``sdpa(q, k, v, mask)`` at
+    ``s = R / (z + eps sign z)``, this is exactly ``v * dv / 2`` (``v * dv``
+    for CP-LRP, or where q, k and the mask are constants), ``q * dq / 4`` and
+    ``k * dk / 4`` (``/ 2`` for the one of them that is an activation) and
+    ``mask * dmask / 2``: the softmax rule of the weights' share ``W * dW / 2``
+    is ``S * dS / 2``, and ``dS`` is the gradient of the scores. So no T x T
+    score matrix is built (:func:`recomputed_attention_relevance` builds it).
+    """
+    roles = call.roles
+    factors = [role for role in ("query", "key") if role in roles]
+    values_only = values_only or not (factors or "attn_mask" in roles)
+    # each argument's share of its x * VJP: q k^T's half of the relevance split over its activation factors
+    shares: dict[str, float] = {"value": 1.0} if values_only else {
+        "value": 0.5, "attn_mask": 0.5, **dict.fromkeys(factors, 0.5 / max(len(factors), 1))}
+    wanted = [role for role in roles if role in shares]
+    if not wanted:
+        return (None,) * len(roles)
+    with torch.enable_grad():
+        out, leaves = fused_attention(call.parts, wanted)
+        scaled = relevance * inverse_denominator(out.detach(), epsilon)
+        grads = torch.autograd.grad(out, [leaves[role] for role in wanted], scaled)
+    found = {role: grad.mul_(leaves[role].detach()).mul_(shares[role]) for role, grad in zip(wanted, grads)}
+    return tuple(found.get(role) for role in roles)
+
+
+def recomputed_attention_relevance(call: AttentionView, relevance: Tensor, epsilon: float,
+                                   values_only: bool) -> tuple[Tensor | None, ...]:
+    """:func:`attention_relevance` with ``softmax(q k^T * scale + mask) @ v`` recomputed: T x T per head.
+
+    The rules of its parts applied one by one, as in the paper; the reference of the fused path.
     """
     parts, roles = call.parts, call.roles
     q, k, v = (parts[key] for key in ("query", "key", "value"))
-    groups = q.shape[-3] // k.shape[-3] if parts["enable_gqa"] else 1
-    k_, v_ = (k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)) if groups > 1 else (k, v)
-    scale = parts["scale"] if parts["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
-    scores = (q @ k_.transpose(-2, -1)) * scale
+    groups = head_groups(parts)
+    k_, v_ = repeat_heads(k, groups), repeat_heads(v, groups)
+    scale = softmax_scale(parts)
     mask = parts["attn_mask"]
-    if parts["is_causal"]:
-        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, -math.inf)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
-    # a query with every key masked (left padding) attends to nothing: its softmax, NaN, is no weight
-    weights = torch.softmax(scores, -1).nan_to_num_(0.0)
+    weights = attention_weights(parts)
     scaled = relevance * inverse_denominator(weights @ v_, epsilon)
     # each product splits its relevance over its activation factors: q or k alone (a decoder's query made
     # from constants, in cross-attention) takes all of q k^T's, and values next to constant weights all
