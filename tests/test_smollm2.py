@@ -60,3 +60,30 @@ def test_attnlrp_of_the_answer_is_accounted_for(smollm2, prompt):
     assert abs(report.unaccounted) <= 1e-4 * abs(report.seed_total)
     fused = [row for row in report.rows if row.op.endswith("scaled_dot_product_attention")]
     assert len(fused) == 30 and all(row.rule.startswith("UniformProduct") for row in fused)
+
+
+def test_a_generation_is_explained_from_one_forward_pass_as_its_rows_alone(smollm2, prompt):
+    """explain_generation on the real model: greedy " Paris.", each row an attribution of the cut sequence."""
+    model, tokenizer = smollm2
+    found = relprop.explain_generation(model, prompt, max_new_tokens=2, tokenizer=tokenizer)
+    assert tokenizer.decode(found.generated[0]) == " Paris."
+    T = prompt.shape[1]
+    for g in range(2):
+        alone = relprop.LRP(model, "attnlrp").attribute(found.sequences[:, :T + g],
+                                                        target=(-1, found.sequences[:, T + g]))
+        scale = alone.abs().max()
+        assert (found.relevance[0, g, :T + g] - alone[0]).abs().max() <= 1e-3 * scale  # float32 rounding
+    assert found.tokens[0][T] == " Paris"
+
+
+def test_the_command_line_writes_the_page_the_matrix_and_the_numbers(tmp_path):
+    from relprop.cli import main
+
+    assert main(["explain-text", "The capital of France is", "--max-new-tokens", "2", "--out", str(tmp_path)]) == 0
+    page = (tmp_path / "generation.html").read_text(encoding="utf-8")
+    assert "Paris" in page and "http" not in page
+    assert (tmp_path / "relevance.png").stat().st_size > 0
+    import json
+
+    saved = json.loads((tmp_path / "generation.json").read_text())
+    assert "".join(saved["tokens"][saved["prompt_length"]:]) == " Paris."

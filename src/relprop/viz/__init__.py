@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import torch  # noqa: E402
 from matplotlib.colors import Colormap, LinearSegmentedColormap  # noqa: E402
 
 __all__ = ["COLD_AND_HOT", "colormap", "scale_of", "normalize", "heatmap", "overlay", "save_image", "save_heatmap_grid",
-           "save_pixel_flipping", "atomic_path", "text_html", "text_terminal"]
+           "save_pixel_flipping", "atomic_path", "text_html", "text_terminal", "save_generation_matrix"]
 
 #: The field's "cold and hot" map: negative cyan-blue, zero black, positive red-yellow.
 COLD_AND_HOT = LinearSegmentedColormap.from_list(
@@ -264,3 +265,33 @@ def text_terminal(tokens: Sequence[str], relevance: Sequence[float] | torch.Tens
     parts = [f"\x1b[48;2;{r};{g};{b}m\x1b[38;2;0;0;0m{token}\x1b[0m"
              for token, (r, g, b) in zip(tokens, _token_colours(relevance, cmap))]
     return " ".join(parts)
+
+
+def save_generation_matrix(generation: Any, path: str | Path, index: int = 0, cmap: str = "bwr",
+                           dpi: int = 110) -> Path:
+    """The relevance matrix of a generation (:class:`relprop.Generation`): one row per generated token.
+
+    Each row is scaled to its largest relevance after the first token, which often holds much of it (an
+    attention sink) and would wash out the rest; the colour bar is in units of that scale.
+    """
+    keep = generation.attention_mask[index].bool()
+    start = int((~keep).sum())
+    words = (generation.tokens[index] if generation.tokens is not None
+             else [str(t) for t in generation.sequences[index].tolist()])[start:]
+    prompt = generation.prompt_length - start
+    rows = generation.relevance[index][:, start:].double()
+    scales = rows[:, 1:].abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    shown = (rows / scales).clamp(-1, 1).numpy()
+    columns = len(words) - 1  # the last generated token is predicted, never read
+    figure, axis = plt.subplots(figsize=(max(4.0, 0.28 * columns + 2), max(2.5, 0.3 * len(rows) + 1.6)),
+                                layout="constrained")
+    image = axis.imshow(shown[:, :columns], cmap=colormap(cmap), vmin=-1, vmax=1, aspect="auto",
+                        interpolation="nearest")
+    axis.set_xticks(range(columns), [repr(w)[1:-1] for w in words[:columns]], rotation=90, fontsize=7)
+    axis.set_yticks(range(len(rows)), [repr(w)[1:-1] for w in words[prompt:]], fontsize=7)
+    axis.axvline(prompt - 0.5, color="black", linewidth=0.8)
+    axis.set_xlabel("context token (prompt | generated)")
+    axis.set_ylabel("generated token")
+    bar = figure.colorbar(image, ax=axis, shrink=0.8)
+    bar.set_label("relevance / row maximum (first token aside)", fontsize=7)
+    return _save_figure(figure, path, dpi)
