@@ -219,3 +219,10 @@ def sample_photos() -> dict[str, np.ndarray]:
             image = np.repeat(image[..., None], 3, axis=2)
         photos[name] = np.ascontiguousarray(image[..., :3], dtype=np.uint8)
     return photos
+
+
+def efficientnet_composite() -> Any:
+    """Placeholder: EpsilonGammaBox with the pixel bounds (replaced by the benchmark's recommendation)."""
+    import relprop
+    low, high = pixel_bounds()
+    return relprop.composites.EpsilonGammaBox(low, high)
