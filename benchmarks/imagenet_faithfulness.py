@@ -36,7 +36,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
+import json
 from collections.abc import Callable, Sequence
 
 import torch
@@ -232,7 +232,8 @@ def explain_in_chunks(explain: Explainer, model: nn.Module, inputs: Tensor, targ
 
 def evaluate(model: nn.Module, pixels: Tensor, explainers: dict[str, Explainer | None],
              perturbations: Sequence[str], patch: int = 16, steps: int = 24, per_step: int = 1,
-             random_orders: int = 2, log: Callable[[str], None] | None = None) -> dict[str, dict[str, Tensor]]:
+             random_orders: int = 2, done: Callable[[str, dict[str, Tensor]], None] | None = None
+             ) -> dict[str, dict[str, Tensor]]:
     """AOPC per example of every method under every perturbation: ``{method: {perturbation: (N,)}}``."""
     inputs = imagenet.normalize(pixels)
     with torch.no_grad():
@@ -241,7 +242,6 @@ def evaluate(model: nn.Module, pixels: Tensor, explainers: dict[str, Explainer |
     rows, cols = pixels.shape[-2] // patch, pixels.shape[-1] // patch
     results: dict[str, dict[str, Tensor]] = {}
     for name, explain in explainers.items():
-        start = time.perf_counter()
         if explain is None:
             generator = torch.Generator().manual_seed(0)
             orders = [torch.stack([torch.randperm(rows * cols, generator=generator) for _ in range(len(pixels))])
@@ -253,10 +253,19 @@ def evaluate(model: nn.Module, pixels: Tensor, explainers: dict[str, Explainer |
                                                                     patch, steps, per_step))
                                             for order in orders]).mean(0)
                          for kind in perturbations}
-        if log is not None:
-            log(f"{name}: " + ", ".join(f"{kind} {results[name][kind].mean():.3f}" for kind in perturbations)
-                + f"  ({time.perf_counter() - start:.0f} s)")
+        if done is not None:
+            done(name, results[name])
     return results
+
+
+def load_json(path: str) -> dict[str, dict[str, Tensor]]:
+    """Results saved with ``--json``: the last line of each method wins."""
+    found: dict[str, dict[str, Tensor]] = {}
+    with open(path, encoding="utf-8") as lines:
+        for line in lines:
+            row = json.loads(line)
+            found[row["method"]] = {kind: torch.tensor(row[kind]) for kind in PERTURBATIONS if kind in row}
+    return found
 
 
 def table(results: dict[str, dict[str, Tensor]], perturbations: Sequence[str]) -> str:
@@ -327,8 +336,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-step", type=int, default=1, help="patches replaced per step")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--figures", metavar="DIR", help="only write heatmap overlays of chelsea and coffee to DIR")
+    parser.add_argument("--json", metavar="FILE", help="also append each method's per-image AOPC to FILE (JSON lines)")
+    parser.add_argument("--from-json", metavar="FILE", help="only print the table of the results saved in FILE")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.from_json:
+        saved = load_json(args.from_json)
+        kinds = [kind for kind in args.perturbations if all(kind in found for found in saved.values())]
+        print(table(saved, kinds))
+        return 0
     if args.figures:
         for path in figures(imagenet.load_efficientnet_lite0(), args.figures):
             print(path)
@@ -342,8 +358,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     explainers = {name: everything[name] for name in chosen}
     print(f"EfficientNet-Lite0, {len(names)} crops of {', '.join(args.photos)}; {args.patch}x{args.patch} patches, "
           f"{args.steps} steps of {args.per_step}, AOPC of the predicted logit", file=sys.stderr)
+    def saved(name: str, found: dict[str, Tensor]) -> None:
+        print(f"{name}: " + ", ".join(f"{kind} {values.mean():.3f}" for kind, values in found.items()),
+              file=sys.stderr, flush=True)
+        if args.json:
+            with open(args.json, "a", encoding="utf-8") as out:
+                out.write(json.dumps({"method": name, "images": names, "steps": args.steps, "per_step": args.per_step,
+                                      "patch": args.patch, **{k: v.tolist() for k, v in found.items()}}) + "\n")
+
     results = evaluate(model, pixels, explainers, args.perturbations, args.patch, args.steps, args.per_step,
-                       log=lambda line: print(line, file=sys.stderr, flush=True))
+                       done=saved)
     print(table(results, args.perturbations))
     return 0
 
