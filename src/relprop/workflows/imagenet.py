@@ -31,9 +31,11 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     import numpy as np
 
+    from relprop.composites import Composite
+
 __all__ = [
     "MEAN", "STD", "RESIZE", "CROP", "IMAGENET_CLASSES", "class_name", "load_efficientnet_lite0", "preprocess",
-    "Preprocessed", "normalize", "pixel_bounds", "sample_photos", "PHOTOS", "top_classes",
+    "Preprocessed", "normalize", "pixel_bounds", "sample_photos", "PHOTOS", "top_classes", "efficientnet_composite", "EFFICIENTNET_GAMMAS",
 ]
 
 #: per-channel mean and standard deviation of the model's input normalisation (pixels in [0, 1])
@@ -221,8 +223,41 @@ def sample_photos() -> dict[str, np.ndarray]:
     return photos
 
 
-def efficientnet_composite() -> Any:
-    """Placeholder: EpsilonGammaBox with the pixel bounds (replaced by the benchmark's recommendation)."""
-    import relprop
+#: the gamma of :func:`efficientnet_composite` by the resolution of the blocks' input: 112 to 28 px, 14 px, 7 px
+#: (EfficientNet-Lite0's blocks 0-5, 6-11, 12-15; the head convolution takes the last)
+EFFICIENTNET_GAMMAS: tuple[float, float, float] = (0.25, 0.1, 0.05)
+
+
+def efficientnet_composite(gammas: Sequence[float] = EFFICIENTNET_GAMMAS, epsilon: float = 1e-6) -> Composite:
+    """The most faithful LRP composite found for EfficientNet-Lite0 (benchmarks/imagenet_faithfulness.py).
+
+    Built from relprop's rules, as ``EpsilonGammaBox`` with a gamma that falls with depth:
+
+    - the stem (first convolution): ``ZBox(-1, 1)``, the pixel bounds of :func:`pixel_bounds`;
+    - every convolution of the MBConv blocks, expand, depthwise and project alike, with its BatchNorm merged
+      (its shift is the bias, and it keeps its share): ``Gamma(0.25)`` in blocks 0-5 (inputs of 112 to 28 px),
+      ``Gamma(0.1)`` in blocks 6-11 (14 px), ``Gamma(0.05)`` in blocks 12-15 and the head convolution (7 px);
+    - the classifier (``_fc``): ``Epsilon(1e-6)``;
+    - ReLU6 passes relevance on (``Pass``), the skip sums and the average pooling split it by the epsilon rule
+      (the defaults).
+
+    Parameters
+    ----------
+    gammas : three floats
+        Gamma of the three groups of blocks, shallow to deep.
+    epsilon : float
+        The stabiliser of every rule and the epsilon of the classifier.
+    """
+    from relprop import composites, rules
+
+    shallow, middle, deep = (float(g) for g in gammas)
     low, high = pixel_bounds()
-    return relprop.composites.EpsilonGammaBox(low, high)
+    name_map = [
+        ("_blocks.[0-5].*", rules.Gamma(shallow, stabilizer=epsilon)),
+        ("_blocks.[6-9].*", rules.Gamma(middle, stabilizer=epsilon)),
+        ("_blocks.1[01].*", rules.Gamma(middle, stabilizer=epsilon)),
+        ("_blocks.1[2-5].*", rules.Gamma(deep, stabilizer=epsilon)),
+        ("_conv_head", rules.Gamma(deep, stabilizer=epsilon)),
+    ]
+    return composites.Composite(epsilon, conv=rules.Gamma(deep, stabilizer=epsilon), dense=rules.Epsilon(epsilon),
+                                first={"conv": rules.ZBox(low, high, stabilizer=epsilon)}, name_map=name_map)
