@@ -322,7 +322,7 @@ def figures(model: nn.Module, folder: str, photos: Sequence[str] = ("chelsea", "
             axis.set_xticks([])
             axis.set_yticks([])
         path = str(Path(folder) / f"{photo}.png")
-        figure.savefig(path, dpi=110)
+        figure.savefig(path, dpi=80)
         plt.close(figure)
         written.append(path)
     return written
