@@ -278,8 +278,8 @@ def ablations() -> dict[str, Explainer]:
         "ab:gamma=0.1,skip-epsilon=1": _ablation(conv=gamma(0.1), skip=rules.Epsilon(1.0)),
         "ab:gamma=0.1,flat-stem": _ablation(conv=gamma(0.1), first=rules.Flat()),
     })
-    for shallow, middle, deep in ((0.25, 0.1, 0.05), (0.05, 0.1, 0.25), (0.1, 0.1, 0.05), (0.5, 0.1, 0.05),
-                                  (0.25, 0.1, 0.03)):
+    for shallow, middle, deep in ((0.25, 0.1, 0.05), (0.05, 0.1, 0.25), (0.1, 0.1, 0.05), (0.25, 0.1, 0.1),
+                                  (0.5, 0.1, 0.05), (0.25, 0.1, 0.03)):
         found[f"ab:tiers={shallow:g}/{middle:g}/{deep:g}"] = _ablation(conv=gamma(deep),
                                                                        name_map=tiers(shallow, middle, deep))
     return found
