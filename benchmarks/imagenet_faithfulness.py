@@ -80,7 +80,7 @@ def load_images(photos: Sequence[str] = PHOTOS, crops: int = 2, first_crop: int 
 # ----------------------------------------------------------------------------------------------- perturbations
 def gaussian_blur(pixels: Tensor, sigma: float = BLUR_SIGMA) -> Tensor:
     """A separable Gaussian blur of ``(N, C, H, W)``, reflecting at the borders."""
-    radius = int(math.ceil(3 * sigma))
+    radius = math.ceil(3 * sigma)
     taps = torch.arange(-radius, radius + 1, dtype=pixels.dtype)
     kernel = torch.exp(-0.5 * (taps / sigma) ** 2)
     kernel = kernel / kernel.sum()
@@ -117,7 +117,7 @@ def coons_inpaint(pixels: Tensor, patch: int) -> Tensor:
     right = at(r0 + 1 + kk, c0 + patch + 1 + 0 * ll)
     v = t.reshape(patch, 1)  # down the patch
     u = t.reshape(1, patch)  # across it
-    corner = lambda dr, dc: at(r0 + dr * (patch + 1) + 0 * kk, c0 + dc * (patch + 1) + 0 * ll)  # noqa: E731
+    corner = lambda dr, dc: at(r0 + dr * (patch + 1) + 0 * kk, c0 + dc * (patch + 1) + 0 * ll)
     bilinear = ((1 - u) * (1 - v) * corner(0, 0) + u * (1 - v) * corner(0, 1) + (1 - u) * v * corner(1, 0)
                 + u * v * corner(1, 1))
     filled = (1 - v) * top + v * bottom + (1 - u) * left + u * right - bilinear
@@ -364,8 +364,9 @@ def figures(model: nn.Module, folder: str, photos: Sequence[str] = ("chelsea", "
     """One PNG per photo under ``folder``: the centre crop and the heatmaps of ``columns``, titled with the class."""
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from pathlib import Path
+
+    import matplotlib.pyplot as plt
 
     Path(folder).mkdir(parents=True, exist_ok=True)
     everything = methods()

