@@ -123,8 +123,9 @@ def model_options(function: F) -> F:
     """``--model``, ``--weights``, ``--random-weights``: the arguments of :func:`load_model`."""
     options = [
         click.option("--model", required=True, metavar="SPEC",
-                     help="A torchvision model name, a torch.export .pt2 file, or module:function returning an "
-                          "nn.Module (the module is looked up in the current folder first)."),
+                     help="efficientnet-lite0 (pretrained on ImageNet, shipped offline), a torchvision model name, "
+                          "a torch.export .pt2 file, or module:function returning an nn.Module (the module is looked "
+                          "up in the current folder first)."),
         click.option("--weights", type=click.Path(dir_okay=False),
                      help="A state_dict file (torch.save(model.state_dict())) to load into the model."),
         click.option("--random-weights", is_flag=True, help="Allow a torchvision model without --weights."),
@@ -141,9 +142,10 @@ def image_options(function: F) -> F:
                      help="Images are resized to SIZE x SIZE pixels (28 for MNIST models)."),
         click.option("--channels", type=click.Choice(["1", "3"]), default="3", callback=lambda c, p, v: int(v),
                      help="1 for grey (MNIST), 3 for colour."),
-        click.option("--normalize", type=click.Choice(["imagenet", "none"]), default=None,
-                     show_default="imagenet with 3 channels, none with 1",
-                     help="Pixel normalisation: ImageNet mean and std, or pixels in [0, 1]."),
+        click.option("--normalize", type=click.Choice(["imagenet", "inception", "none"]), default=None,
+                     show_default="the named model's, else imagenet with 3 channels, none with 1",
+                     help="Pixel normalisation: ImageNet mean and std, inception (pixels in [-1, 1], as "
+                          "efficientnet-lite0 expects), or pixels in [0, 1]."),
     ]
     for option in reversed(options):
         function = option(function)

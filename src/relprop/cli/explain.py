@@ -21,6 +21,8 @@ from relprop.cli.app import (
     preset_option,
 )
 from relprop.cli.inputs import (
+    NAMED_MODELS,
+    NAMED_NORMALIZATION,
     _composite,
     _output_names,
     load_images,
@@ -62,9 +64,12 @@ def demo(out: Path, examples: int, evaluated: int) -> None:
 @click.option("--strict", is_flag=True, help="Fail on ops without an LRP rule instead of warning.")
 @click.option("--text", default=None, help="Explain this text instead of images; --model is then a local Hugging "
                                            "Face model folder (needs pip install 'relprop[text]').")
+@click.option("--sample-photos", is_flag=True, help="Also explain the photos scikit-image ships (a cat, coffee, "
+                                                    "an astronaut, ...), written to OUT/photos first.")
 def explain(images: tuple[str, ...], model: str, weights: str | None, random_weights: bool, preset: str, size: int,
             channels: int, normalize: str | None, out: Path, target: int | None, batch_size: int, cmap: str,
-            clip: float | None, scale: int, figure: bool, strict: bool, text: str | None) -> None:
+            clip: float | None, scale: int, figure: bool, strict: bool, text: str | None,
+            sample_photos: bool) -> None:
     """Write a relevance heatmap and an overlay per image, and explain.json.
 
     Output names follow the images' paths below their common folder. An image that
@@ -73,13 +78,18 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
     """
     if text is not None:
         return _explain_text(text, model, preset, target, out)
+    if sample_photos:
+        images = (*images, *_write_sample_photos(out / "photos"))
     if not images:
-        raise CommandError("give image files, or --text with a Hugging Face model folder as --model")
+        raise CommandError("give image files (or --sample-photos), or --text with a Hugging Face model folder as "
+                           "--model")
     from relprop import viz
 
     paths = readable_images(images, channels)
     network = load_model(model, weights, random_weights)
-    lrp = LRP(network, _composite(preset, normalize, channels), strict=strict)
+    normalize = normalize or NAMED_NORMALIZATION.get(model)
+    names_of = _class_names(model)
+    lrp = LRP(network, _model_composite(model, preset, normalize, channels), strict=strict)
     names = _output_names(paths)
     summary: list[dict[str, Any]] = []
     shown: list[tuple[Tensor, Tensor]] = []  # pixels and channel-summed relevance, for --figure
@@ -91,7 +101,11 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
             for entry, path, name, image, rel in zip(entries, paths[batch], names[batch], raw, relevance):
                 files = {kind: out / f"{name}_{kind}.png" for kind in ("relevance", "overlay")}
                 entry = {"image": path, **entry, **{kind: str(file) for kind, file in files.items()}}
-                bar.write(f"{path}: class {entry['target']} (logit {entry['logit']:.3f}, relevance sum "
+                if names_of is not None:
+                    entry["class_name"], entry["prediction_name"] = names_of(entry["target"]), names_of(
+                        entry["prediction"])
+                named = f" ({entry['class_name']})" if names_of is not None else ""
+                bar.write(f"{path}: class {entry['target']}{named} (logit {entry['logit']:.3f}, relevance sum "
                           f"{entry['relevance_sum']:.3f}) -> {files['relevance']}", file=sys.stdout)
                 viz.save_image(viz.heatmap(rel, cmap, clip), files["relevance"], scale=scale)
                 viz.save_image(viz.overlay(image, rel, cmap, clip), files["overlay"], scale=scale)
@@ -102,9 +116,48 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
             bar.update(len(relevance))
     if figure:
         title = f"LRP {preset}" + (f", class {target}" if target is not None else "")
+        classes = None if names_of is None else [names_of(i) for i in range(max(e["prediction"] for e in summary) + 1)]
         viz.save_heatmap_grid(torch.stack([p for p, _ in shown]), {title: torch.stack([r for _, r in shown])},
                               out / "explain.png", predictions=[e["prediction"] for e in summary], cmap=cmap,
-                              clip=clip)
+                              clip=clip, class_names=classes)
+
+
+def _write_sample_photos(folder: Path) -> list[str]:
+    """scikit-image's sample photos as PNG files in ``folder``, for the model to read like the user's."""
+    from PIL import Image
+
+    from relprop.workflows.imagenet import sample_photos
+
+    try:
+        photos = sample_photos()
+    except ImportError as error:
+        raise CommandError(str(error).removeprefix("relprop: ")) from None
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, array in photos.items():
+        path = folder / f"{name}.png"
+        Image.fromarray(array).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def _class_names(model: str) -> Any:
+    """``index -> English name`` of an ImageNet model by name, else None."""
+    if model not in NAMED_MODELS:
+        return None
+    from relprop.workflows.imagenet import class_name
+
+    return class_name
+
+
+def _model_composite(model: str, preset: str, normalize: str | None, channels: int) -> Any:
+    """The preset; for efficientnet-lite0 without --preset, the composite measured most faithful on it."""
+    source = click.get_current_context().get_parameter_source("preset")
+    if model == "efficientnet-lite0" and source in (None, click.core.ParameterSource.DEFAULT):
+        from relprop.workflows.imagenet import efficientnet_composite
+
+        return efficientnet_composite()
+    return _composite(preset, normalize, channels)
 
 
 def _explain_batch(lrp: LRP, inputs: Tensor, target: int | None) -> tuple[list[dict], Tensor]:

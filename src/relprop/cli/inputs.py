@@ -98,12 +98,32 @@ def _from_factory(spec: str) -> Any:
         sys.path.remove(os.getcwd())
 
 
+def _efficientnet_lite0() -> nn.Module:
+    from relprop.workflows.imagenet import load_efficientnet_lite0
+
+    try:
+        return load_efficientnet_lite0()
+    except ImportError as error:  # the message names the extra
+        raise CommandError(str(error).removeprefix("relprop: ")) from None
+
+
+#: pretrained models that ship in packages, by name: loaded offline, weights included
+NAMED_MODELS = {"efficientnet-lite0": _efficientnet_lite0}
+#: the input normalisation each named model expects (``--normalize``'s default for it)
+NAMED_NORMALIZATION = {"efficientnet-lite0": "inception"}
+
+
 def load_model(spec: str, weights: str | None = None, random_weights: bool = False) -> nn.Module:
-    """A model from ``module:function``, a ``torch.export`` file (``.pt2``) or a torchvision name, in eval mode.
+    """A model by name (:data:`NAMED_MODELS`), from ``module:function``, a ``torch.export`` file (``.pt2``) or a
+    torchvision name, in eval mode.
 
     Raises :class:`CommandError` with a one-line message for anything that is not such a model.
     """
     path = Path(spec)
+    if spec in NAMED_MODELS:
+        if weights is not None:
+            raise CommandError(f"--model {spec} comes with its pretrained weights; --weights does not apply")
+        return NAMED_MODELS[spec]()
     if ":" in spec and not path.exists():
         model = _from_factory(spec)
     elif path.is_file():
@@ -195,6 +215,8 @@ def readable_images(paths: Sequence[str], channels: int) -> list[str]:
 
 
 def _normalization(normalize: str | None, channels: int) -> tuple[Tensor, Tensor]:
+    if normalize == "inception":  # pixels to [-1, 1], as models converted from TensorFlow expect
+        return torch.full((1, channels, 1, 1), 0.5), torch.full((1, channels, 1, 1), 0.5)
     if normalize == "imagenet" or normalize is None and channels == 3:
         if channels != 3:
             raise CommandError("--normalize imagenet needs --channels 3; use --normalize none")
