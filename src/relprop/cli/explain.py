@@ -89,7 +89,8 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
     network = load_model(model, weights, random_weights)
     normalize = normalize or NAMED_NORMALIZATION.get(model)
     names_of = _class_names(model)
-    lrp = LRP(network, _model_composite(model, preset, normalize, channels), strict=strict)
+    composite, preset = _model_composite(model, preset, normalize, channels)
+    lrp = LRP(network, composite, strict=strict)
     names = _output_names(paths)
     summary: list[dict[str, Any]] = []
     shown: list[tuple[Tensor, Tensor]] = []  # pixels and channel-summed relevance, for --figure
@@ -150,14 +151,15 @@ def _class_names(model: str) -> Any:
     return class_name
 
 
-def _model_composite(model: str, preset: str, normalize: str | None, channels: int) -> Any:
-    """The preset; for efficientnet-lite0 without --preset, the composite measured most faithful on it."""
+def _model_composite(model: str, preset: str, normalize: str | None, channels: int) -> tuple[Any, str]:
+    """The preset and its name; for efficientnet-lite0 without --preset, the composite measured most faithful
+    on it."""
     source = click.get_current_context().get_parameter_source("preset")
     if model == "efficientnet-lite0" and source in (None, click.core.ParameterSource.DEFAULT):
         from relprop.workflows.imagenet import efficientnet_composite
 
-        return efficientnet_composite()
-    return _composite(preset, normalize, channels)
+        return efficientnet_composite(), "efficientnet (Gamma by depth)"
+    return _composite(preset, normalize, channels), preset
 
 
 def _explain_batch(lrp: LRP, inputs: Tensor, target: int | None) -> tuple[list[dict], Tensor]:
