@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from relprop import rules
 from relprop._core.errors import RuleError
+from relprop._core.sdpa import SDPA_ARGUMENTS, head_groups, repeat_heads, softmax_scale
 from relprop._core.signatures import bind
 from relprop._core.tensors import sum_to
 from relprop.composites import Composite
@@ -282,8 +283,6 @@ class NormRescale(_Paired):
         return (_input_half(_normalised_multiplier(x1, x0, m, dims, call.func is F.layer_norm, eps)),)
 
 
-#: ``F.scaled_dot_product_attention``'s parameters in order
-_ATTENTION = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 class AttentionRescale(_Paired):
@@ -299,15 +298,15 @@ class AttentionRescale(_Paired):
 
     def propagate(self, call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
         args, kwargs = _arguments(call)
-        bound = {**dict(zip(_ATTENTION, args)), **kwargs}
+        bound = {**dict(zip(SDPA_ARGUMENTS, args)), **kwargs}
         if bound.get("dropout_p", 0.0):
             raise RuleError(f"relprop: DeepLift cannot explain {call.describe()} with dropout_p > 0")
         q, k, v = (self._pair(call, bound[key]) for key in ("query", "key", "value"))
         mask = bound.get("attn_mask")
-        groups = q[0].shape[-3] // k[0].shape[-3] if bound.get("enable_gqa") else 1
-        if groups > 1:
-            k, v = (tuple(t.repeat_interleave(groups, -3) for t in pair) for pair in (k, v))  # type: ignore[assignment]
-        scale = bound.get("scale") or 1.0 / math.sqrt(q[0].shape[-1])
+        groups = head_groups({**bound, "query": q[0], "key": k[0]})
+        k = (repeat_heads(k[0], groups), repeat_heads(k[1], groups))
+        v = (repeat_heads(v[0], groups), repeat_heads(v[1], groups))
+        scale = softmax_scale({**bound, "query": q[0]})
         scores = [(qt @ kt.transpose(-2, -1)) * scale for qt, kt in zip(q, k)]
         if bound.get("is_causal"):
             causal = torch.ones(scores[0].shape[-2:], dtype=torch.bool, device=scores[0].device).tril()

@@ -12,9 +12,9 @@ from __future__ import annotations
 import html
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
