@@ -218,9 +218,9 @@ def _composite(preset: str, normalize: str | None, channels: int) -> composites.
     ctx = click.get_current_context(silent=True)
     meta = ctx.meta if ctx is not None else {}
     options = {"smooth_stride": meta.get("relprop.smooth_stride", False), "func_map": meta.get("relprop.func_map")}
-    if preset == "epsilon-gamma-box":
-        mean, std = _normalization(normalize, channels)
-        return composites.EpsilonGammaBox(low=(0 - mean) / std, high=(1 - mean) / std, **options)
+    if preset == "epsilon-gamma-box":  # its bounds from the preprocessing, as in Python: normalization=
+        _normalization(normalize, channels)  # --normalize imagenet with --channels 1 fails here, as it does for images
+        options["normalization"] = normalize if normalize is not None else "imagenet" if channels == 3 else "none"
     return composites.get(preset, **options)
 
 
