@@ -1,6 +1,7 @@
 """The command group, its error handling and the options commands share."""
 from __future__ import annotations
 
+import errno
 import json
 import tempfile
 from collections.abc import Callable
@@ -108,8 +109,13 @@ def _writable_folder(ctx: click.Context, _: click.Parameter, value: str) -> Path
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as error:
-        raise click.BadParameter(f"{value} is not writable ({existing}: {error.strerror}); choose another folder") \
-            from None
+        why = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+               errno.EROFS: "a read-only file system", errno.ENOSPC: "no space left on the device"}.get(
+                   error.errno, f"the system says: {error.strerror}")
+        if existing != out:
+            raise click.BadParameter(f"cannot create the folder {value}: {existing} takes no new files or folders "
+                                     f"({why}); choose another folder") from None
+        raise click.BadParameter(f"{value} is not writable ({why}); choose another folder") from None
     return out
 
 

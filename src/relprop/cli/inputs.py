@@ -144,9 +144,23 @@ def shape_advice(inputs: Tensor) -> Iterator[None]:
         text = " ".join(str(error).split())
         if isinstance(error, AssertionError) or "shape" in text or "size" in text or "channels" in text:
             raise CommandError(f"the model cannot take images of shape {tuple(inputs.shape[1:])}"
-                               f"{f' ({text})' if text else ''}; set --size and --channels to what it expects, "
-                               "e.g. --size 28 --channels 1 for MNIST, --size 224 for ImageNet models") from None
+                               f"{f' (it says: {text})' if text else ''}; {_what_to_do(text)}") from None
         raise
+
+
+def _what_to_do(text: str) -> str:
+    """The advice for a model's shape error: the flag and value it names, where its text says one."""
+    import re
+
+    channels = re.search(r"to have (\d+) channels", text)
+    if channels:
+        return f"rerun with --channels {channels.group(1)}"
+    size = (re.search(r"(?i)expected (?:an? )?(?:image )?(?:height|width|size)?\D{0,12}?(\d+)\b(?! channels)", text)
+            or re.search(r"(?i)match model \((\d+)", text))  # torchvision's ViT; timm's
+    if size and int(size.group(1)) > 3:
+        return f"rerun with --size {size.group(1)}"
+    return ("set --size and --channels to what it expects, e.g. --size 28 --channels 1 for MNIST, --size 224 for "
+            "ImageNet models")
 
 
 def predict(model: nn.Module, inputs: Tensor) -> Tensor:

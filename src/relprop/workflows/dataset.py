@@ -225,15 +225,37 @@ def _samples(dataset: Any, sample_ids: Sequence | None) -> str:
 def fingerprint(model: nn.Module, dataset: Any, composite: Any, target: Any, sample_ids: Sequence | None = None,
                 **settings: Any) -> dict[str, str]:
     """The fingerprint of a dataset run: one text per part (see the module docstring); ``settings`` add parts."""
-    parts = {"model": _model_hash(model), "composite": describe(composites.get(composite)),
+    parts = {"model": _model_hash(model), "composite": _composite_part(composite),
              "transform": describe(getattr(dataset, "transform", None)), "target": describe(target),
              "samples": _samples(dataset, sample_ids)}
     parts.update({name: describe(value) for name, value in settings.items()})
     return parts
 
 
+#: what separates a composite's readable name from the digest of all its settings in a fingerprint
+_SETTINGS = "; settings sha256:"
+
+
+def _composite_part(composite: Any) -> str:
+    """The composite as the user wrote it (``'epsilon-plus-flat'``, ``EpsilonPlusFlat(epsilon=1e-06)``), and a
+    digest of everything in it (rules, maps, tensors), which changes exactly when a setting does."""
+    built = composites.get(composite)
+    name = f"{composite!r} = {built!r}" if isinstance(composite, str) else repr(built)
+    return f"{name}{_SETTINGS}{_digest([describe(built).encode()])}"
+
+
 def _short(text: str | None) -> str:
     return "absent" if text is None else (text if len(text) <= 60 else text[:57] + "...")
+
+
+def _difference(name: str, before: str | None, now: str | None) -> str:
+    """One part that differs, as the message shows it: composites by their names, the rest shortened."""
+    if name == "composite" and before is not None and now is not None and _SETTINGS in now:
+        old, new = before.partition(_SETTINGS)[0], now.partition(_SETTINGS)[0]
+        if old == new:
+            return f"{_PARTS[name]} ({new}, with other rules or parameters inside than before)"
+        return f"{_PARTS[name]} (was {old if _SETTINGS in before else _short(old)}, now {new})"
+    return f"{_PARTS.get(name, name)} (was {_short(before)}, now {_short(now)})"
 
 
 def _check_run(out: Path, parts: dict[str, str]) -> None:
@@ -250,8 +272,7 @@ def _check_run(out: Path, parts: dict[str, str]) -> None:
         raise RunMismatch(f"relprop: {record} is not a run record ({error}); pass overwrite=True to start afresh")
     differ = [name for name in {**before, **parts} if before.get(name) != parts.get(name)]
     if differ:
-        what = "; ".join(f"{_PARTS.get(name, name)} (was {_short(before.get(name))}, now {_short(parts.get(name))})"
-                         for name in differ)
+        what = "; ".join(_difference(name, before.get(name), parts.get(name)) for name in differ)
         raise RunMismatch(f"relprop: {out} holds a different run: {what}; pass overwrite=True to start afresh, "
                           "or use another folder")
 
@@ -290,14 +311,16 @@ def _run_shards(out: Path, parts: dict[str, str], count: int, shard_size: int, o
     rank, world = _distributed()
     shards = -(-count // shard_size)
     done = _claim(out, parts, overwrite, rank, shards)
+    complete = done == shards
     if done and rank == 0:
-        message = f"relprop: resuming in {out}: {done} of {shards} shards already done, skipped"
+        message = (f"relprop: {out} holds this run complete (all {shards} shard{'s' if shards > 1 else ''} done): nothing left to do"
+                   if complete else f"relprop: resuming in {out}: {done} of {shards} shards already done, skipped")
         _log.info(message)
         if progress:
             print(message, file=sys.stderr)
     todo = [k for k in range(rank, shards, world) if not (out / _shard_name(k)).exists()]
     bar = None
-    if progress and rank == 0:
+    if progress and rank == 0 and not complete:  # a finished run shows its line above, not an empty bar
         from tqdm.auto import tqdm
         bar = tqdm(total=sum(min(shard_size, count - k * shard_size) for k in todo) * world, unit="sample",
                    desc=f"{verb} ({world} process{'es' if world > 1 else ''})")
