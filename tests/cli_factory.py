@@ -29,3 +29,13 @@ def not_a_model() -> str:
 
 def broken() -> nn.Module:
     raise ValueError("the factory failed")
+
+
+def zero_logits() -> nn.Module:
+    """A CNN whose last layer is all zeros: every logit is 0, every map blank."""
+    model = small_cnn()
+    last = [module for module in model.modules() if isinstance(module, nn.Linear)][-1]
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.zero_()
+    return model

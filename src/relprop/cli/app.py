@@ -141,7 +141,7 @@ def model_options(function: F) -> F:
 
 
 def image_options(function: F) -> F:
-    """``--size``, ``--channels``, ``--normalize``: the arguments of :func:`load_images`."""
+    """``--size``, ``--channels``, ``--normalize``, ``--crop/--whole``: the arguments of :func:`load_images`."""
     options = [
         click.option("--size", type=click.IntRange(min=1), default=224,
                      help="Images are resized to SIZE x SIZE pixels (28 for MNIST models)."),
@@ -150,6 +150,11 @@ def image_options(function: F) -> F:
         click.option("--normalize", type=click.Choice(["imagenet", "none"]), default=None,
                      show_default="imagenet with 3 channels, none with 1",
                      help="Pixel normalisation: ImageNet mean and std, or pixels in [0, 1]."),
+        click.option("--crop/--whole", "whole", default=None, callback=lambda c, p, v: None if v is None else not v,
+                     show_default="crop with --normalize imagenet, whole with none",
+                     help="Resize the short side to SIZE*256/224 and take the centre SIZE x SIZE, as torchvision's "
+                          "ImageNet transforms do (the picture shows that crop); or squash the whole image to "
+                          "SIZE x SIZE."),
     ]
     for option in reversed(options):
         function = option(function)
@@ -210,6 +215,7 @@ def _remember_func_rules(ctx: click.Context, __: click.Parameter, values: tuple[
             raise click.BadParameter(f"{value!r}: {str(error).removeprefix('relprop: ')}") from None
         func_map[func] = RULES[rule.strip()]()
     ctx.meta["relprop.func_map"] = func_map
+    ctx.meta["relprop.func_rules"] = values  # as written, for the pictures' titles
 
 
 def _write_json(data: Any, path: Path) -> None:

@@ -23,6 +23,7 @@ from relprop.cli.app import (
 from relprop.cli.inputs import (
     _composite,
     _output_names,
+    crops,
     load_images,
     load_model,
     predict,
@@ -63,13 +64,16 @@ def demo(out: Path, examples: int, evaluated: int) -> None:
 @click.option("--text", default=None, help="Explain this text instead of images; --model is then a local Hugging "
                                            "Face model folder (needs pip install 'relprop[text]').")
 def explain(images: tuple[str, ...], model: str, weights: str | None, random_weights: bool, preset: str, size: int,
-            channels: int, normalize: str | None, out: Path, target: int | None, batch_size: int, cmap: str,
-            clip: float | None, scale: int, figure: bool, strict: bool, text: str | None) -> None:
+            channels: int, normalize: str | None, whole: bool | None, out: Path, target: int | None, batch_size: int,
+            cmap: str, clip: float | None, scale: int, figure: bool, strict: bool, text: str | None) -> None:
     """Write a relevance heatmap and an overlay per image, and explain.json.
 
+    Each picture has a title (the class explained, and the options that made it) and a
+    colour bar with its range of relevance; the overlay is drawn on the crop the model saw.
     Output names follow the images' paths below their common folder. An image that
     cannot be read is skipped with a warning (the others are explained); if none
-    can be read, nothing is done. Ctrl-C keeps the images finished so far.
+    can be read, nothing is done. A blank map (a logit of 0, relevance all zero) is
+    explained with a warning. Ctrl-C keeps the images finished so far.
     """
     if text is not None:
         return _explain_text(text, model, preset, target, out)
@@ -81,30 +85,64 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
     network = load_model(model, weights, random_weights)
     lrp = LRP(network, _composite(preset, normalize, channels), strict=strict)
     names = _output_names(paths)
+    options = _options_text(preset, clip, normalize, channels, whole)
     summary: list[dict[str, Any]] = []
     shown: list[tuple[Tensor, Tensor]] = []  # pixels and channel-summed relevance, for --figure
     with _bar(len(paths), "explaining", "image") as bar:
         for start in range(0, len(paths), batch_size):
             batch = slice(start, start + batch_size)
-            inputs, raw = load_images(paths[batch], size, normalize, channels)
+            inputs, raw = load_images(paths[batch], size, normalize, channels, whole)
             entries, relevance = _explain_batch(lrp, inputs, target)
             for entry, path, name, image, rel in zip(entries, paths[batch], names[batch], raw, relevance):
                 files = {kind: out / f"{name}_{kind}.png" for kind in ("relevance", "overlay")}
-                entry = {"image": path, **entry, **{kind: str(file) for kind, file in files.items()}}
+                entry = {"image": path, **entry, "warning": _blank(entry, rel),
+                         **{kind: str(file) for kind, file in files.items()}}
                 bar.write(f"{path}: class {entry['target']} (logit {entry['logit']:.3f}, relevance sum "
                           f"{entry['relevance_sum']:.3f}) -> {files['relevance']}", file=sys.stdout)
-                viz.save_image(viz.heatmap(rel, cmap, clip), files["relevance"], scale=scale)
-                viz.save_image(viz.overlay(image, rel, cmap, clip), files["overlay"], scale=scale)
+                if entry["warning"] is not None:
+                    bar.write(f"relprop: warning: {path}: a blank map, {entry['warning']}", file=sys.stderr)
+                title = (f"{name}: class {entry['target']} (logit {entry['logit']:.3g}, relevance sum "
+                         f"{entry['relevance_sum']:.3g}"
+                         + (f"; blank: {entry['warning']}" if entry["warning"] else "") + f")\n{options}")
+                viz.save_explanation(rel, files["relevance"], title=title, cmap=cmap, clip=clip, scale=scale)
+                viz.save_explanation(rel, files["overlay"], image=image, title=title, cmap=cmap, clip=clip,
+                                     scale=scale)
                 summary.append(entry)
                 if figure:
                     shown.append((image, rel.sum(0)))
             _write_json(summary, out / "explain.json")  # after every batch: it lists exactly the finished images
             bar.update(len(relevance))
     if figure:
-        title = f"LRP {preset}" + (f", class {target}" if target is not None else "")
-        viz.save_heatmap_grid(torch.stack([p for p, _ in shown]), {title: torch.stack([r for _, r in shown])},
+        column = f"LRP {preset}" + (f", class {target}" if target is not None else "")
+        viz.save_heatmap_grid(torch.stack([p for p, _ in shown]), {column: torch.stack([r for _, r in shown])},
                               out / "explain.png", predictions=[e["prediction"] for e in summary], cmap=cmap,
-                              clip=clip)
+                              clip=clip, title=options)
+
+
+def _options_text(preset: str, clip: float | None, normalize: str | None, channels: int, whole: bool | None) -> str:
+    """The options that made the pictures, for their titles: ``LRP epsilon-plus-flat, --smooth-stride, ...``."""
+    ctx = click.get_current_context(silent=True)
+    meta = ctx.meta if ctx is not None else {}
+    parts = [f"LRP {preset}"]
+    if meta.get("relprop.smooth_stride"):
+        parts.append("--smooth-stride")
+    parts += [f"--func-rule {rule}" for rule in meta.get("relprop.func_rules", ())]
+    parts.append(f"--clip {clip:g}" if clip is not None else "no --clip")
+    parts.append("centre crop" if crops(normalize, channels, whole) else "whole image")
+    return ", ".join(parts)
+
+
+def _blank(entry: dict[str, Any], relevance: Tensor) -> str | None:
+    """Why an image's map is blank (or meaningless), or None: the logit is 0, the relevance is zero or not finite."""
+    if entry["logit"] == 0:
+        return "logit is 0"
+    if not torch.isfinite(relevance).all():
+        return "relevance is not finite (NaN or infinite)"
+    if not relevance.any():
+        return "relevance is all zero"
+    if not relevance.sum(0).any():
+        return "relevance cancels to zero in every pixel (over the channels)"
+    return None
 
 
 def _explain_batch(lrp: LRP, inputs: Tensor, target: int | None) -> tuple[list[dict], Tensor]:
@@ -175,7 +213,8 @@ def _explain_text(text: str, folder: str, preset: str, target: int | None, out: 
 @click.option("--baseline", default="0.0", callback=lambda c, p, v: _baseline(v),
               help="The value replaced regions take (in the model's normalised input), or uniform (noise).")
 def evaluate(images: tuple[str, ...], model: str, weights: str | None, random_weights: bool, preset: str, size: int,
-             channels: int, normalize: str | None, out: Path, steps: int, region: int, baseline: float | str) -> None:
+             channels: int, normalize: str | None, whole: bool | None, out: Path, steps: int, region: int,
+             baseline: float | str) -> None:
     """Pixel-flipping AOPC of LRP against Gradient, Integrated Gradients and a random order.
 
     Prints the scores, then writes aopc.json and pixel_flipping.png. An image that
@@ -186,7 +225,7 @@ def evaluate(images: tuple[str, ...], model: str, weights: str | None, random_we
 
     paths = readable_images(images, channels)
     network = load_model(model, weights, random_weights)
-    inputs, _ = load_images(paths, size, normalize, channels)
+    inputs, _ = load_images(paths, size, normalize, channels, whole)
     target = torch.tensor(_targets(None, predict(network, inputs)))
     explainers: dict[str, Any] = {f"LRP {preset}": LRP(network, _composite(preset, normalize, channels)),
                                   "Gradient": methods.InputGradient(network),

@@ -216,12 +216,41 @@ def _normalization(normalize: str | None, channels: int) -> tuple[Tensor, Tensor
     return torch.zeros(1, channels, 1, 1), torch.ones(1, channels, 1, 1)
 
 
-def load_images(paths: Sequence[str], size: int, normalize: str | None, channels: int) -> tuple[Tensor, Tensor]:
-    """Images resized to ``size`` x ``size``: the model input and the pixels in [0, 1], each (N, C, H, W)."""
+def crops(normalize: str | None, channels: int, whole: bool | None) -> bool:
+    """Whether images are centre-cropped (``--crop``) or squashed whole (``--whole``): by default, cropped with
+    ImageNet's normalisation (torchvision's ImageNet preprocessing), whole without (MNIST digits are whole)."""
+    if whole is not None:
+        return not whole
+    return normalize == "imagenet" or normalize is None and channels == 3
+
+
+def _resized(image: Any, size: int, crop: bool) -> Any:
+    """``image`` as the model sees it: squashed to ``size`` x ``size``, or as torchvision's ImageNet transforms,
+    ``Resize(round(size * 256 / 224))`` (the short side, bilinear, antialiased) then ``CenterCrop(size)``."""
+    from PIL import Image
+
+    if not crop:
+        return image.resize((size, size))
+    width, height = image.size
+    short = round(size * 256 / 224)
+    new = (short, int(short * height / width)) if width <= height else (int(short * width / height), short)
+    image = image.resize(new, Image.BILINEAR)  # PIL's filters are antialiased when they shrink, as torchvision's
+    left, top = int(round((new[0] - size) / 2.0)), int(round((new[1] - size) / 2.0))
+    return image.crop((left, top, left + size, top + size))
+
+
+def load_images(paths: Sequence[str], size: int, normalize: str | None, channels: int,
+                whole: bool | None = None) -> tuple[Tensor, Tensor]:
+    """Images as ``size`` x ``size`` inputs: the model input and the pixels in [0, 1], each (N, C, H, W).
+
+    ``whole`` squashes each whole image to ``size`` x ``size``; otherwise its short side is resized and its
+    centre cropped (:func:`crops` says which is the default).
+    """
     import numpy as np
 
     mean, std = _normalization(normalize, channels)
-    pixels = [torch.from_numpy(np.asarray(_decode(path, channels).resize((size, size)), dtype=np.float32).copy())
+    crop = crops(normalize, channels, whole)
+    pixels = [torch.from_numpy(np.asarray(_resized(_decode(path, channels), size, crop), dtype=np.float32).copy())
               .reshape(size, size, channels).permute(2, 0, 1) / 255.0 for path in paths]
     raw = torch.stack(pixels)
     return (raw - mean) / std, raw
