@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-matplotlib = pytest.importorskip("matplotlib")
+pytest.importorskip("matplotlib")
 import matplotlib.text  # noqa: E402
 from PIL import Image  # noqa: E402
 
@@ -151,8 +151,9 @@ def test_no_text_of_a_heatmap_grid_is_cut_not_even_with_one_row(tmp_path, drawn,
 
 @pytest.mark.parametrize("size", [28, 224])
 @pytest.mark.parametrize("with_image", [False, True])
-def test_an_explanation_picture_has_its_title_and_colour_bar_uncut(tmp_path, drawn, size, with_image):
-    rel = torch.randn(3, size, size)
+@pytest.mark.parametrize("magnitude", [1.0, 1e-4])  # long tick labels: -0.000197
+def test_an_explanation_picture_has_its_title_and_colour_bar_uncut(tmp_path, drawn, size, with_image, magnitude):
+    rel = torch.randn(3, size, size) * magnitude
     path = viz.save_explanation(rel, tmp_path / "x.png", image=torch.rand(3, size, size) if with_image else None,
                                 title="a/long/folder/name/of/the/image: class 281 (logit 12.3, relevance sum 11.9)\n"
                                       "LRP epsilon-plus-flat, --smooth-stride, --clip 99.5, centre crop", clip=99.5)

@@ -144,7 +144,7 @@ def image_options(function: F) -> F:
     """``--size``, ``--channels``, ``--normalize``, ``--crop/--whole``: the arguments of :func:`load_images`."""
     options = [
         click.option("--size", type=click.IntRange(min=1), default=224,
-                     help="Images are resized to SIZE x SIZE pixels (28 for MNIST models)."),
+                     help="Images become SIZE x SIZE pixels, cropped or whole (--crop/--whole); 28 for MNIST models."),
         click.option("--channels", type=click.Choice(["1", "3"]), default="3", callback=lambda c, p, v: int(v),
                      help="1 for grey (MNIST), 3 for colour."),
         click.option("--normalize", type=click.Choice(["imagenet", "none"]), default=None,

@@ -57,7 +57,9 @@ def demo(out: Path, examples: int, evaluated: int) -> None:
 @click.option("--cmap", default="bwr", callback=_check_cmap, help="Colour map: a matplotlib name, or coldnhot.")
 @click.option("--clip", type=click.FloatRange(0, 100, min_open=True), default=None, show_default="off",
               help="Scale each heatmap by this percentile of |relevance| (e.g. 99.5) instead of its maximum.")
-@click.option("--scale", type=click.IntRange(min=1), default=1, help="Enlarge each heatmap pixel to SCALE x SCALE.")
+@click.option("--scale", type=click.IntRange(min=1), default=1,
+              help="Draw each heatmap pixel at least SCALE x SCALE screen pixels (small maps are enlarged to about "
+                   "256 pixels anyway, so that the title and the colour bar fit).")
 @click.option("--figure", is_flag=True, help="Also write explain.png: every image and its heatmap, with the "
                                              "predicted class and a colour bar (one row per image).")
 @click.option("--strict", is_flag=True, help="Fail on ops without an LRP rule instead of warning.")
@@ -126,8 +128,8 @@ def _options_text(preset: str, clip: float | None, normalize: str | None, channe
     parts = [f"LRP {preset}"]
     if meta.get("relprop.smooth_stride"):
         parts.append("--smooth-stride")
-    parts += [f"--func-rule {rule}" for rule in meta.get("relprop.func_rules", ())]
-    parts.append(f"--clip {clip:g}" if clip is not None else "no --clip")
+    parts += [f"--func-rule\u00a0{rule}" for rule in meta.get("relprop.func_rules", ())]  # kept on one line
+    parts.append(f"--clip\u00a0{clip:g}" if clip is not None else "no --clip")
     parts.append("centre crop" if crops(normalize, channels, whole) else "whole image")
     return ", ".join(parts)
 

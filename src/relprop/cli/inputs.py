@@ -235,7 +235,7 @@ def _resized(image: Any, size: int, crop: bool) -> Any:
     short = round(size * 256 / 224)
     new = (short, int(short * height / width)) if width <= height else (int(short * width / height), short)
     image = image.resize(new, Image.BILINEAR)  # PIL's filters are antialiased when they shrink, as torchvision's
-    left, top = int(round((new[0] - size) / 2.0)), int(round((new[1] - size) / 2.0))
+    left, top = round((new[0] - size) / 2.0), round((new[1] - size) / 2.0)  # as CenterCrop
     return image.crop((left, top, left + size, top + size))
 
 

@@ -141,7 +141,7 @@ def _wrap(text: str, inches: float, points: float) -> str:
     import textwrap
 
     width = max(12, int(inches * 72 / (0.5 * points)))
-    return "\n".join(textwrap.fill(line, width, break_long_words=False) for line in text.split("\n"))
+    return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False) for line in text.split("\n"))
 
 
 def save_explanation(relevance: Array, path: str | Path, image: Array | None = None, title: str = "",
@@ -176,7 +176,19 @@ def save_explanation(relevance: Array, path: str | Path, image: Array | None = N
     image_w, image_h = width * magnify / dpi, height * magnify / dpi
     title = _wrap(title, image_w + 1.0, 8.5) if title else ""
     lines = title.count("\n") + 1 if title else 0
-    left, gap, bar_w, right, bottom = 0.12, 0.12, 0.16, 0.85, 0.12
+    value = scale_of(relevance, clip)
+    if value == 0:
+        label = "relevance (all zero: a blank map)"
+    else:
+        label = "relevance, " + (f"clipped at its {clip:g}th percentile of |R|" if clip is not None else "± max |R|")
+        if image is not None:
+            label += "; opacity ∝ |R|"
+    label = _wrap(label, image_h, 7.5)
+    ticks = np.linspace(-value, value, 5) if value > 0 else np.zeros(1)  # a blank map has no range but 0
+    tick_labels = [f"{tick:.3g}" for tick in ticks]
+    # the space right of the bar: its tick labels (about 0.55 em a character at 7 points) and the label's lines
+    right = 0.12 + max(len(text) for text in tick_labels) * 0.055 + 0.15 * (label.count("\n") + 1)
+    left, gap, bar_w, bottom = 0.12, 0.12, 0.16, 0.12
     top = 0.12 + 0.17 * lines
     figure = plt.figure(figsize=(left + image_w + gap + bar_w + right, bottom + image_h + top), dpi=dpi)
     fw, fh = figure.get_size_inches()
@@ -186,25 +198,17 @@ def save_explanation(relevance: Array, path: str | Path, image: Array | None = N
     axis.set_yticks([])
     if title:
         figure.text(0.5, 1 - 0.06 / fh, title, ha="center", va="top", fontsize=8.5)
-    value = scale_of(relevance, clip)
     colours = colormap(cmap)
     if image is not None:  # the overlay's own colours: the colour map blended over mid-grey by |relevance|
         ramp = np.linspace(-1, 1, 255)
         colours = ListedColormap(_overlay_colours(ramp, float(np.mean(OVERLAY_GREY)), cmap))
     bar_axis = figure.add_axes(((left + image_w + gap) / fw, bottom / fh, bar_w / fw, image_h / fh))
     shown = value if value > 0 else 1.0
-    ticks = np.linspace(-shown, shown, 5) if value > 0 else np.zeros(1)  # a blank map has no range but 0
     bar = figure.colorbar(matplotlib.cm.ScalarMappable(norm=Normalize(-shown, shown), cmap=colours), cax=bar_axis,
                           ticks=ticks)
-    bar.ax.set_yticklabels([f"{tick:.3g}" for tick in ticks])
+    bar.ax.set_yticklabels(tick_labels)
     bar.ax.tick_params(labelsize=7)
-    if value == 0:
-        label = "relevance (all zero: a blank map)"
-    else:
-        label = "relevance, " + (f"clipped at its {clip:g}th percentile of |R|" if clip is not None else "± max |R|")
-        if image is not None:
-            label += "; opacity ∝ |R|"
-    bar.set_label(_wrap(label, image_h, 7.5), fontsize=7.5)
+    bar.set_label(label, fontsize=7.5)
     return _save_figure(figure, path, dpi)
 
 
