@@ -56,7 +56,8 @@ from relprop.engine.calls import OpCall
 
 __all__ = [
     "Composite", "Epsilon", "EpsilonPlus", "EpsilonPlusFlat", "EpsilonAlpha2Beta1", "EpsilonAlpha2Beta1Flat",
-    "EpsilonGammaBox", "AttnLRP", "CPLRP", "PRESETS", "get", "function_name",
+    "EpsilonGammaBox", "AttnLRP", "CPLRP", "PRESETS", "get", "function_name", "box_bounds", "NORMALIZATIONS",
+    "BOUNDS_NEEDED",
 ]
 
 _TypeMap = Mapping[type | tuple[type, ...], Rule] | Iterable[tuple[type | tuple[type, ...], Rule]]
