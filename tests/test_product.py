@@ -177,8 +177,8 @@ def test_a_finished_run_says_so_in_one_line_instead_of_an_empty_progress_bar(tmp
     explain_dataset(tiny_model(), tiny_data(), tmp_path, shard_size=4)
     capsys.readouterr()
     explain_dataset(tiny_model(), tiny_data(), tmp_path, shard_size=4)
-    assert capsys.readouterr().err == f"relprop: {tmp_path} holds this run complete (all 2 shards done): nothing left " \
-                                      "to do\n"
+    assert capsys.readouterr().err == f"relprop: {tmp_path} holds this run complete (2 of 2 shards done): nothing " \
+                                      "left to do\n"
 
 
 def test_out_that_cannot_be_created_says_so_and_why(tmp_path):

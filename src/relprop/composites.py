@@ -275,14 +275,11 @@ class Composite:
         if self.name_map:
             parts.append("name_map={" + ", ".join(f"{pattern!r}: {rule!r}" for pattern, rule in self.name_map) + "}")
         if self.layer_map:
-            parts.append("layer_map={" + ", ".join(f"{_type_names(types)}: {rule!r}" for types, rule in self.layer_map)
-                         + "}")
+            names = [getattr(types, "__name__", None) or f"({', '.join(t.__name__ for t in types)})"
+                     for types, _ in self.layer_map]
+            parts.append("layer_map={" + ", ".join(f"{name}: {rule!r}"
+                                                   for name, (_, rule) in zip(names, self.layer_map)) + "}")
         return f"{type(self).__name__}({', '.join(parts)})"
-
-
-def _type_names(types: type | tuple[type, ...]) -> str:
-    return (types.__name__ if isinstance(types, type) else
-            "(" + ", ".join(t.__name__ for t in types) + ")")
 
 
 def _tensor(value: Any) -> Tensor:
@@ -389,25 +386,13 @@ def box_bounds(low: float | Tensor | None = None, high: float | Tensor | None = 
 class EpsilonGammaBox(Composite):
     """ZBox on a first convolution, Gamma on other convolutions, Epsilon on dense layers.
 
-    ZBox needs the range of the inputs. Give it in one of three ways (the same words as the command
-    line's ``--normalize``):
-
-    - ``normalization="imagenet"`` or ``"none"``: pixels in [0, 1], normalised by ImageNet's mean
-      and std, or not at all;
-    - ``mean=...`` and ``std=...``: the preprocessing's per-channel mean and std, for pixels in [0, 1];
-    - ``low=...`` and ``high=...``: the smallest and largest input values (scalars or per-channel
-      ``(1, C, 1, 1)`` tensors), in the model's input space.
-
-    ``relprop.LRP(model, "epsilon-gamma-box")`` alone raises ``ValueError`` (:data:`BOUNDS_NEEDED`);
-    ``relprop.composites.get("epsilon-gamma-box", normalization="imagenet")`` works.
-
-    Parameters
-    ----------
-    low, high : float or Tensor, optional
-    epsilon : float
-    gamma : float
-    normalization : str, optional
-    mean, std : sequence of float or Tensor, optional
+    ZBox needs the range of the inputs, given in one of three ways: ``normalization="imagenet"`` or
+    ``"none"`` (the command line's ``--normalize``: pixels in [0, 1], normalised by ImageNet's mean and
+    std or not at all); ``mean=`` and ``std=`` (the preprocessing's, per channel, for pixels in [0, 1]);
+    ``low=`` and ``high=`` (the smallest and largest input values, scalars or ``(1, C, 1, 1)`` tensors, in
+    the model's input space). Without any, ``ValueError`` (:data:`BOUNDS_NEEDED`): so
+    ``relprop.LRP(model, "epsilon-gamma-box")`` refuses, ``get("epsilon-gamma-box", normalization="imagenet")``
+    works. ``epsilon`` and ``gamma`` are the stabiliser and Gamma's parameter.
     """
 
     def __init__(self, low: float | Tensor | None = None, high: float | Tensor | None = None, epsilon: float = 1e-6,

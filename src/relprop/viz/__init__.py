@@ -137,11 +137,13 @@ def overlay(image: Array, relevance: Array, cmap: str = "bwr", clip: float | Non
 
 
 def _wrap(text: str, inches: float, points: float) -> str:
-    """``text`` broken into lines that fit ``inches`` at a font of ``points`` (about 0.55 em a character)."""
+    """``text`` broken into lines that fit ``inches`` at a font of ``points`` (about 0.5 em a character); words
+    and options (``--clip``) are never split."""
     import textwrap
 
     width = max(12, int(inches * 72 / (0.5 * points)))
-    return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False) for line in text.split("\n"))
+    return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False)
+                     for line in text.split("\n"))
 
 
 def save_explanation(relevance: Array, path: str | Path, image: Array | None = None, title: str = "",

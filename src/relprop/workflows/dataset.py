@@ -225,23 +225,16 @@ def _samples(dataset: Any, sample_ids: Sequence | None) -> str:
 def fingerprint(model: nn.Module, dataset: Any, composite: Any, target: Any, sample_ids: Sequence | None = None,
                 **settings: Any) -> dict[str, str]:
     """The fingerprint of a dataset run: one text per part (see the module docstring); ``settings`` add parts."""
-    parts = {"model": _model_hash(model), "composite": _composite_part(composite),
+    built = composites.get(composite)  # named as written, and a digest of all in it (rules, maps, tensors)
+    named = f"{composite!r} = {built!r}" if isinstance(composite, str) else repr(built)
+    parts = {"model": _model_hash(model), "composite": f"{named}{_SETTINGS}{_digest([describe(built).encode()])}",
              "transform": describe(getattr(dataset, "transform", None)), "target": describe(target),
              "samples": _samples(dataset, sample_ids)}
     parts.update({name: describe(value) for name, value in settings.items()})
     return parts
 
 
-#: what separates a composite's readable name from the digest of all its settings in a fingerprint
-_SETTINGS = "; settings sha256:"
-
-
-def _composite_part(composite: Any) -> str:
-    """The composite as the user wrote it (``'epsilon-plus-flat'``, ``EpsilonPlusFlat(epsilon=1e-06)``), and a
-    digest of everything in it (rules, maps, tensors), which changes exactly when a setting does."""
-    built = composites.get(composite)
-    name = f"{composite!r} = {built!r}" if isinstance(composite, str) else repr(built)
-    return f"{name}{_SETTINGS}{_digest([describe(built).encode()])}"
+_SETTINGS = "; settings sha256:"  # between a composite's name and the digest of all its settings
 
 
 def _short(text: str | None) -> str:
@@ -250,12 +243,12 @@ def _short(text: str | None) -> str:
 
 def _difference(name: str, before: str | None, now: str | None) -> str:
     """One part that differs, as the message shows it: composites by their names, the rest shortened."""
-    if name == "composite" and before is not None and now is not None and _SETTINGS in now:
-        old, new = before.partition(_SETTINGS)[0], now.partition(_SETTINGS)[0]
-        if old == new:
-            return f"{_PARTS[name]} ({new}, with other rules or parameters inside than before)"
-        return f"{_PARTS[name]} (was {old if _SETTINGS in before else _short(old)}, now {new})"
-    return f"{_PARTS.get(name, name)} (was {_short(before)}, now {_short(now)})"
+    if name != "composite" or before is None or now is None or _SETTINGS not in now:
+        return f"{_PARTS.get(name, name)} (was {_short(before)}, now {_short(now)})"
+    old, new = before.partition(_SETTINGS)[0], now.partition(_SETTINGS)[0]
+    if old == new:
+        return f"{_PARTS[name]} ({new}, with other rules or parameters inside than before)"
+    return f"{_PARTS[name]} (was {old if _SETTINGS in before else _short(old)}, now {new})"
 
 
 def _check_run(out: Path, parts: dict[str, str]) -> None:
@@ -313,7 +306,7 @@ def _run_shards(out: Path, parts: dict[str, str], count: int, shard_size: int, o
     done = _claim(out, parts, overwrite, rank, shards)
     complete = done == shards
     if done and rank == 0:
-        message = (f"relprop: {out} holds this run complete (all {shards} shard{'s' if shards > 1 else ''} done): nothing left to do"
+        message = (f"relprop: {out} holds this run complete ({done} of {shards} shards done): nothing left to do"
                    if complete else f"relprop: resuming in {out}: {done} of {shards} shards already done, skipped")
         _log.info(message)
         if progress:
