@@ -181,6 +181,19 @@ def test_a_finished_run_says_so_in_one_line_instead_of_an_empty_progress_bar(tmp
                                       "left to do\n"
 
 
+def test_rerunning_a_finished_explain_dataset_on_a_terminal_prints_one_line_and_no_bar(tmp_path):
+    from test_cli import MNIST, digit, stderr_on_a_terminal
+
+    for i in range(2):
+        digit(tmp_path / "images" / f"d{i}.png", i)
+    run = ["explain-dataset", tmp_path / "images", *MNIST, "--out", tmp_path / "shards"]
+    first = stderr_on_a_terminal(run, tmp_path)
+    assert "explaining (1 process)" in first  # the bar, on a terminal
+    again = stderr_on_a_terminal(run, tmp_path)
+    assert again.strip() == f"relprop: {tmp_path / 'shards'} holds this run complete (1 of 1 shards done): " \
+                            "nothing left to do"
+
+
 def test_out_that_cannot_be_created_says_so_and_why(tmp_path):
     from test_cli import digit
 
