@@ -230,7 +230,8 @@ def test_box_bounds_follow_the_input_through_routing_ops():
 
 
 def test_a_preset_that_needs_arguments_says_which():
-    with pytest.raises(ValueError, match=r"'epsilon-gamma-box' needs low and high: use .*EpsilonGammaBox\(low="):
+    with pytest.raises(ValueError, match=r"'epsilon-gamma-box' needs the range of the model's inputs .*"
+                                         r"normalization='imagenet' .* low=\.\.\. and high=\.\.\."):
         relprop.LRP(_SpaceToDepth(), "epsilon-gamma-box")
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 pytest.importorskip("matplotlib")
+import matplotlib.text  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from relprop import viz  # noqa: E402
@@ -37,15 +38,17 @@ def test_all_zero_relevance_is_the_centre_colour_not_nan():
     assert (viz.heatmap(torch.zeros(4, 4)) == 255).all()
 
 
-def test_overlay_shows_both_signs_in_full_colour_over_a_grey_picture():
+def test_overlay_is_the_colour_map_over_a_dimmed_grey_photo_with_opacity_proportional_to_relevance():
     picture = torch.zeros(3, 6, 8)
     picture[:, 0, :] = 1.0                                 # a white top row on black
     blended = viz.overlay(picture, relevance()).astype(int)
-    assert tuple(blended[0, 0]) == tuple(blended[0, 1])    # no relevance: the picture, in grey
-    assert blended[0, 0, 0] == blended[0, 0, 1] == blended[0, 0, 2] and blended[0, 0, 0] > blended[2, 0, 0]
-    red, blue = blended[1, 2], blended[4, 5]               # +max, and -max/2 (opacity 0.9 * 0.5 ** 0.7)
-    assert red[0] - red[2] > 200
-    assert blue[2] - blue[0] > 0.9 * 0.5 ** 0.7 * 255 - 2
+    dark, light = viz.OVERLAY_GREY
+    assert tuple(blended[0, 0]) == tuple(blended[0, 1]) == (round(light * 255),) * 3  # no relevance: the grey photo
+    assert tuple(blended[2, 0]) == (round(dark * 255),) * 3                           # black, dimmed: not pure black
+    red, blue = blended[1, 2], blended[4, 5]               # +max (opacity 1), and -max/2 (opacity 0.5)
+    assert tuple(red) == (255, 0, 0)                       # bwr's end colour, in full
+    expected = 0.5 * dark + 0.5 * np.array(viz.colormap("bwr")(0.25)[:3])
+    assert np.abs(blue - expected * 255).max() <= 1
 
 
 def test_percentile_clipping_saturates_the_extremes():
@@ -110,3 +113,55 @@ def test_token_rendering():
     assert "&lt;s&gt;" in html_text and "rgb(255, 0, 0)" in html_text and "rgb(0, 0, 255)" in html_text
     terminal = viz.text_terminal(["good", "bad"], torch.tensor([1.0, -1.0]))
     assert "\x1b[48;2;255;0;0m" in terminal and "\x1b[48;2;0;0;255m" in terminal
+
+
+def _texts_outside(figure):
+    """The texts of a drawn figure that reach past its edges (a cut label)."""
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    width, height = figure.bbox.width, figure.bbox.height
+    cut = []
+    for text in figure.findobj(matplotlib.text.Text):
+        if not text.get_visible() or not text.get_text().strip():
+            continue
+        box = text.get_window_extent(renderer)
+        if box.x0 < -1 or box.y0 < -1 or box.x1 > width + 1 or box.y1 > height + 1:
+            cut.append(text.get_text())
+    return cut
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Per figure the viz functions save, its texts that are cut at its edges."""
+    figures = []
+    original = viz._save_figure
+    monkeypatch.setattr(viz, "_save_figure", lambda figure, path, dpi: figures.append(_texts_outside(figure))
+                        or original(figure, path, dpi))
+    return figures
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6])
+@pytest.mark.parametrize("clip", [None, 99.5])
+def test_no_text_of_a_heatmap_grid_is_cut_not_even_with_one_row(tmp_path, drawn, rows, clip):
+    viz.save_heatmap_grid(torch.rand(rows, 3, 16, 16), {"LRP epsilon-plus-flat": torch.randn(rows, 16, 16)},
+                          tmp_path / "grid.png", predictions=[1] * rows, clip=clip,
+                          title="LRP epsilon-plus-flat, --smooth-stride, --clip 99.5, centre crop")
+    assert drawn == [[]]
+
+
+@pytest.mark.parametrize("size", [28, 224])
+@pytest.mark.parametrize("with_image", [False, True])
+@pytest.mark.parametrize("magnitude", [1.0, 1e-4])  # long tick labels: -0.000197
+def test_an_explanation_picture_has_its_title_and_colour_bar_uncut(tmp_path, drawn, size, with_image, magnitude):
+    rel = torch.randn(3, size, size) * magnitude
+    path = viz.save_explanation(rel, tmp_path / "x.png", image=torch.rand(3, size, size) if with_image else None,
+                                title="a/long/folder/name/of/the/image: class 281 (logit 12.3, relevance sum 11.9)\n"
+                                      "LRP epsilon-plus-flat, --smooth-stride, --clip 99.5, centre crop", clip=99.5)
+    assert drawn == [[]]
+    width, height = Image.open(path).size
+    assert width > 256 and height > 256  # small maps enlarged so that the text fits
+
+
+def test_a_blank_explanation_picture_says_so(tmp_path, drawn):
+    viz.save_explanation(torch.zeros(1, 28, 28), tmp_path / "blank.png", title="blank")
+    assert drawn == [[]] and (tmp_path / "blank.png").is_file()

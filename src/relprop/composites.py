@@ -56,7 +56,8 @@ from relprop.engine.calls import OpCall
 
 __all__ = [
     "Composite", "Epsilon", "EpsilonPlus", "EpsilonPlusFlat", "EpsilonAlpha2Beta1", "EpsilonAlpha2Beta1Flat",
-    "EpsilonGammaBox", "AttnLRP", "CPLRP", "PRESETS", "get", "function_name",
+    "EpsilonGammaBox", "AttnLRP", "CPLRP", "PRESETS", "get", "function_name", "box_bounds", "NORMALIZATIONS",
+    "BOUNDS_NEEDED",
 ]
 
 _TypeMap = Mapping[type | tuple[type, ...], Rule] | Iterable[tuple[type | tuple[type, ...], Rule]]
@@ -257,8 +258,41 @@ class Composite:
             return self._gated
         return self._uniform if len(call.inputs) >= 2 else self._pass
 
+    def _parameters(self) -> list[str]:
+        """The preset's own parameters as ``name=value`` texts, for :meth:`__repr__`."""
+        if type(self) is not Composite:
+            return []
+        given = [f"{name}={getattr(self, name)!r}" for name in ("conv", "dense")]
+        return given + ([f"first={self.first!r}"] if self.first else [])
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(epsilon={self.epsilon})"
+        """The composite as a user writes it: ``EpsilonPlusFlat(epsilon=1e-06, smooth_stride=True)``."""
+        parts = [f"epsilon={self.epsilon!r}", *self._parameters()]
+        if self.smooth_stride is not None:
+            parts.append("smooth_stride=True")
+        if self.func_map:
+            parts.append("func_map={" + ", ".join(f"{op_name(func)}: {rule!r}" for func, rule in self.func_map) + "}")
+        if self.name_map:
+            parts.append("name_map={" + ", ".join(f"{pattern!r}: {rule!r}" for pattern, rule in self.name_map) + "}")
+        if self.layer_map:
+            names = [getattr(types, "__name__", None) or f"({', '.join(t.__name__ for t in types)})"
+                     for types, _ in self.layer_map]
+            parts.append("layer_map={" + ", ".join(f"{name}: {rule!r}"
+                                                   for name, (_, rule) in zip(names, self.layer_map)) + "}")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def _tensor(value: Any) -> Tensor:
+    import torch
+
+    return torch.as_tensor(value, dtype=torch.float32)
+
+
+def _short_value(value: float | Tensor) -> str:
+    if isinstance(value, Tensor):
+        values = [f"{v:.4g}" for v in value.detach().reshape(-1).tolist()]
+        return f"[{', '.join(values)}]" if value.numel() > 1 else values[0]
+    return repr(value)
 
 
 class Epsilon(Composite):
@@ -301,23 +335,81 @@ class EpsilonAlpha2Beta1Flat(Composite):
                          first={"conv": flat, "dense": flat}, **kwargs)
 
 
+#: the pixel normalisations that give :class:`EpsilonGammaBox` its bounds by name, as the command line's
+#: ``--normalize``: pixels in [0, 1], then minus the mean and divided by the std (per channel)
+NORMALIZATIONS: Mapping[str, tuple[tuple[float, ...], tuple[float, ...]]] = MappingProxyType({
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+    "inception": ((0.5,), (0.5,)),  # pixels to [-1, 1], as models converted from TensorFlow expect
+    "none": ((0.0,), (1.0,)),
+})
+
+#: the one message for an EpsilonGammaBox without bounds, from Python and from the command line alike
+BOUNDS_NEEDED = ("relprop: preset 'epsilon-gamma-box' needs the range of the model's inputs (ZBox, its first-layer "
+                 "rule, is bounded by them): give the preprocessing, normalization='imagenet' (pixels in [0, 1] "
+                 "normalised by ImageNet's mean and std) or 'none' (pixels in [0, 1]) or mean=... and std=..., or the "
+                 "bounds themselves, low=... and high=...; on the command line: --normalize imagenet or none")
+
+
+def box_bounds(low: float | Tensor | None = None, high: float | Tensor | None = None,
+               normalization: str | None = None, mean: Any = None, std: Any = None) -> tuple[Any, Any]:
+    """The smallest and largest input values, from the bounds themselves or from the preprocessing.
+
+    ``normalization`` (``"imagenet"``, ``"none"``: the command line's ``--normalize``) or ``mean`` and
+    ``std`` (per channel) describe pixels in [0, 1] normalised as ``(pixel - mean) / std``; their bounds are
+    ``(0 - mean) / std`` and ``(1 - mean) / std`` as ``(1, C, 1, 1)`` tensors. Raises ``ValueError``
+    (:data:`BOUNDS_NEEDED`) when nothing is given, and when two descriptions are given at once.
+    """
+    import torch
+
+    given = [name for name, value in (("low/high", low if low is not None else high),
+                                      ("normalization", normalization), ("mean/std", mean if mean is not None else std))
+             if value is not None]
+    if not given:
+        raise ValueError(BOUNDS_NEEDED)
+    if len(given) > 1:
+        raise ValueError(f"relprop: EpsilonGammaBox takes one description of its bounds, got {' and '.join(given)}")
+    if given[0] == "low/high":
+        if low is None or high is None:
+            raise ValueError("relprop: EpsilonGammaBox needs both low and high (or normalization=, or mean= and std=)")
+        return low, high
+    if normalization is not None:
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"relprop: unknown normalization {normalization!r}; known: {', '.join(NORMALIZATIONS)} "
+                             "(or give mean= and std=)")
+        mean, std = NORMALIZATIONS[normalization]
+    if mean is None or std is None:
+        raise ValueError("relprop: EpsilonGammaBox needs both mean and std (the preprocessing's, per channel)")
+    mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(1, -1, 1, 1)
+    std_t = torch.as_tensor(std, dtype=torch.float32).reshape(1, -1, 1, 1)
+    return (0 - mean_t) / std_t, (1 - mean_t) / std_t
+
+
 class EpsilonGammaBox(Composite):
     """ZBox on a first convolution, Gamma on other convolutions, Epsilon on dense layers.
 
-    Parameters
-    ----------
-    low, high : float or Tensor
-        Smallest and largest possible input values (per channel as ``(1, C,
-        1, 1)`` tensors), in the model's input space.
-    epsilon : float
-    gamma : float
+    ZBox needs the range of the inputs, given in one of three ways: ``normalization="imagenet"`` or
+    ``"none"`` (the command line's ``--normalize``: pixels in [0, 1], normalised by ImageNet's mean and
+    std or not at all); ``mean=`` and ``std=`` (the preprocessing's, per channel, for pixels in [0, 1]);
+    ``low=`` and ``high=`` (the smallest and largest input values, scalars or ``(1, C, 1, 1)`` tensors, in
+    the model's input space). Without any, ``ValueError`` (:data:`BOUNDS_NEEDED`): so
+    ``relprop.LRP(model, "epsilon-gamma-box")`` refuses, ``get("epsilon-gamma-box", normalization="imagenet")``
+    works. ``epsilon`` and ``gamma`` are the stabiliser and Gamma's parameter.
     """
 
-    def __init__(self, low: float | Tensor, high: float | Tensor, epsilon: float = 1e-6, gamma: float = 0.25,
+    def __init__(self, low: float | Tensor | None = None, high: float | Tensor | None = None, epsilon: float = 1e-6,
+                 gamma: float = 0.25, *, normalization: str | None = None, mean: Any = None, std: Any = None,
                  **kwargs: Any) -> None:
-        self.low, self.high, self.gamma = low, high, gamma
+        self.low, self.high = box_bounds(low, high, normalization, mean, std)
+        self.gamma, self.normalization = gamma, normalization
+        self._bounds_given = (f"normalization={normalization!r}" if normalization is not None else
+                              f"mean={_short_value(_tensor(mean))}, std={_short_value(_tensor(std))}"
+                              if mean is not None else
+                              f"low={_short_value(self.low)}, high={_short_value(self.high)}")
         super().__init__(epsilon, conv=rules.Gamma(gamma, stabilizer=epsilon), dense=rules.Epsilon(epsilon),
-                         first={"conv": rules.ZBox(low, high, stabilizer=epsilon)}, **kwargs)
+                         first={"conv": rules.ZBox(self.low, self.high, stabilizer=epsilon)}, **kwargs)
+
+    def _parameters(self) -> list[str]:
+        return [self._bounds_given, f"gamma={self.gamma!r}"]
 
 
 class AttnLRP(Composite):
@@ -341,6 +433,9 @@ class AttnLRP(Composite):
         linear = rules.Gamma(gamma, stabilizer=epsilon) if gamma is not None else rules.Epsilon(epsilon)
         self.gamma = gamma
         super().__init__(epsilon, conv=linear, dense=linear, **kwargs)
+
+    def _parameters(self) -> list[str]:
+        return [f"gamma={self.gamma!r}"] if self.gamma is not None else []
 
 
 class CPLRP(AttnLRP):
@@ -372,7 +467,11 @@ PRESETS: dict[str, type[Composite]] = {
 
 
 def get(composite: Composite | str | None, **kwargs: Any) -> Composite:
-    """A composite from an instance, a preset name (``"epsilon-plus"``; ``_`` works too) or None (epsilon)."""
+    """A composite from an instance, a preset name (``"epsilon-plus"``; ``_`` works too) or None (epsilon).
+
+    ``kwargs`` go to the preset's class: ``get("epsilon-gamma-box", normalization="imagenet")`` (see
+    :class:`EpsilonGammaBox` for its bounds), ``get("epsilon-plus-flat", smooth_stride=True)``.
+    """
     if composite is None:
         return Epsilon(**kwargs)
     if isinstance(composite, Composite):
@@ -388,8 +487,7 @@ def get(composite: Composite | str | None, **kwargs: Any) -> Composite:
         if missing:
             raise ValueError(f"relprop: preset {key!r} needs {' and '.join(missing)}: use "
                              f"relprop.composites.{preset.__name__}({', '.join(f'{n}=...' for n in missing)})"
-                             + (" with the smallest and largest input values (scalars or per-channel (1, C, 1, 1) "
-                                "tensors, in the model's input space)" if preset is EpsilonGammaBox else ""))
+                             )
         return preset(**kwargs)
     raise TypeError(f"relprop: composite must be a Composite, a preset name or None, got {type(composite).__name__}")
 

@@ -1,6 +1,7 @@
 """The command group, its error handling and the options commands share."""
 from __future__ import annotations
 
+import errno
 import json
 import tempfile
 from collections.abc import Callable
@@ -108,8 +109,13 @@ def _writable_folder(ctx: click.Context, _: click.Parameter, value: str) -> Path
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as error:
-        raise click.BadParameter(f"{value} is not writable ({existing}: {error.strerror}); choose another folder") \
-            from None
+        why = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+               errno.EROFS: "a read-only file system", errno.ENOSPC: "no space left on the device"}.get(
+                   error.errno or 0, f"the system says: {error.strerror}")
+        if existing != out:
+            raise click.BadParameter(f"cannot create the folder {value}: {existing} takes no new files or folders "
+                                     f"({why}); choose another folder") from None
+        raise click.BadParameter(f"{value} is not writable ({why}); choose another folder") from None
     return out
 
 
@@ -136,16 +142,21 @@ def model_options(function: F) -> F:
 
 
 def image_options(function: F) -> F:
-    """``--size``, ``--channels``, ``--normalize``: the arguments of :func:`load_images`."""
+    """``--size``, ``--channels``, ``--normalize``, ``--crop/--whole``: the arguments of :func:`load_images`."""
     options = [
         click.option("--size", type=click.IntRange(min=1), default=224,
-                     help="Images are resized to SIZE x SIZE pixels (28 for MNIST models)."),
+                     help="Images become SIZE x SIZE pixels, cropped or whole (--crop/--whole); 28 for MNIST models."),
         click.option("--channels", type=click.Choice(["1", "3"]), default="3", callback=lambda c, p, v: int(v),
                      help="1 for grey (MNIST), 3 for colour."),
         click.option("--normalize", type=click.Choice(["imagenet", "inception", "none"]), default=None,
                      show_default="the named model's, else imagenet with 3 channels, none with 1",
                      help="Pixel normalisation: ImageNet mean and std, inception (pixels in [-1, 1], as "
                           "efficientnet-lite0 expects), or pixels in [0, 1]."),
+        click.option("--crop/--whole", "whole", default=None, callback=lambda c, p, v: None if v is None else not v,
+                     show_default="crop with --normalize imagenet, whole with none",
+                     help="Resize the short side to SIZE*256/224 and take the centre SIZE x SIZE, as torchvision's "
+                          "ImageNet transforms do (the picture shows that crop); or squash the whole image to "
+                          "SIZE x SIZE."),
     ]
     for option in reversed(options):
         function = option(function)
@@ -206,6 +217,7 @@ def _remember_func_rules(ctx: click.Context, __: click.Parameter, values: tuple[
             raise click.BadParameter(f"{value!r}: {str(error).removeprefix('relprop: ')}") from None
         func_map[func] = RULES[rule.strip()]()
     ctx.meta["relprop.func_map"] = func_map
+    ctx.meta["relprop.func_rules"] = values  # as written, for the pictures' titles
 
 
 def _write_json(data: Any, path: Path) -> None:

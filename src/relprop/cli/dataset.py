@@ -18,7 +18,7 @@ from relprop.cli.app import (
     out_option,
     preset_option,
 )
-from relprop.cli.inputs import _composite, load_images, load_model
+from relprop.cli.inputs import _composite, crops, load_images, load_model
 
 
 class _ImageFolder(torch.utils.data.Dataset):
@@ -29,7 +29,7 @@ class _ImageFolder(torch.utils.data.Dataset):
     as torchvision's ``ImageFolder`` does. Images directly in ``FOLDER`` give items without a label.
     """
 
-    def __init__(self, folder: str, size: int, normalize: str | None, channels: int):
+    def __init__(self, folder: str, size: int, normalize: str | None, channels: int, whole: bool | None = None):
         root = Path(folder)
         if not root.is_dir():
             raise CommandError(f"no such folder: {folder}")
@@ -38,15 +38,17 @@ class _ImageFolder(torch.utils.data.Dataset):
         if not self.paths:
             raise CommandError(f"no readable images in {folder}")
         self.labels = _class_labels([Path(p).relative_to(root).parts for p in self.paths])
-        self.size, self.normalize, self.channels = size, normalize, channels
-        # the preprocessing, for the fingerprint that keeps a resumed run from mixing with another one
-        self.transform = {"size": size, "channels": channels, "normalize": normalize}
+        self.size, self.normalize, self.channels, self.whole = size, normalize, channels, whole
+        # the preprocessing, for the fingerprint that keeps a resumed run from mixing with another one (a
+        # centre crop is named; a run of whole images keeps the fingerprint it had before crops existed)
+        self.transform = {"size": size, "channels": channels, "normalize": normalize,
+                          **({"crop": True} if crops(normalize, channels, whole) else {})}
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> Tensor | tuple[Tensor, int]:
-        image = load_images([self.paths[index]], self.size, self.normalize, self.channels)[0][0]
+        image = load_images([self.paths[index]], self.size, self.normalize, self.channels, self.whole)[0][0]
         return image if self.labels is None else (image, self.labels[index])
 
 
@@ -96,8 +98,9 @@ def _dataset_target(_: click.Context, __: click.Parameter, value: str) -> int | 
               help="Store relevance summed over channels and average-pooled by this factor.")
 @click.option("--overwrite", is_flag=True, help="Start afresh instead of resuming a run in --out.")
 def explain_dataset_command(folder: str, model: str, weights: str | None, random_weights: bool, preset: str,
-                            size: int, channels: int, normalize: str | None, out: Path, target: int | str,
-                            batch_size: int, shard_size: int, downsample: int, overwrite: bool) -> None:
+                            size: int, channels: int, normalize: str | None, whole: bool | None, out: Path,
+                            target: int | str, batch_size: int, shard_size: int, downsample: int,
+                            overwrite: bool) -> None:
     """Explain the images below FOLDER into resumable shards (also under torchrun).
 
     Images are taken in sorted path order; files.json lists them (sample id = position).
@@ -106,7 +109,7 @@ def explain_dataset_command(folder: str, model: str, weights: str | None, random
     kept). A rerun into the same --out resumes, skipping finished shards.
     """
     importlib.import_module("safetensors")  # shards need it: fail before any work, naming the extra
-    dataset = _ImageFolder(folder, size, normalize, channels)
+    dataset = _ImageFolder(folder, size, normalize, channels, whole)
     if target == "label" and dataset.labels is None:
         raise CommandError(f"--target label needs every image in a class subfolder (FOLDER/CLASS/IMAGE); {folder} "
                            "has images directly in it")
@@ -145,8 +148,8 @@ def explain_dataset_command(folder: str, model: str, weights: str | None, random
               help="Images explained together.")
 @click.option("--overwrite", is_flag=True, help="Start afresh instead of resuming a run in --out.")
 def atlas_command(folder: str, model: str, weights: str | None, random_weights: bool, preset: str, size: int,
-                  channels: int, normalize: str | None, out: Path, layer: str, mode: str, top_k: int,
-                  target: int | str, batch_size: int, overwrite: bool) -> None:
+                  channels: int, normalize: str | None, whole: bool | None, out: Path, layer: str, mode: str,
+                  top_k: int, target: int | str, batch_size: int, overwrite: bool) -> None:
     """A concept atlas of one layer over the images below FOLDER: the top-k images of every channel.
 
     The reference samples are found resumably in --out/run (the fingerprinted runner of
@@ -154,7 +157,7 @@ def atlas_command(folder: str, model: str, weights: str | None, random_weights: 
     its top images, cropped where the channel acts, and their values.
     """
     importlib.import_module("safetensors")  # the run's shards need it: fail before any work, naming the extra
-    dataset = _ImageFolder(folder, size, normalize, channels)
+    dataset = _ImageFolder(folder, size, normalize, channels, whole)
     if target == "label" and dataset.labels is None:
         raise CommandError(f"--target label needs every image in a class subfolder (FOLDER/CLASS/IMAGE); {folder} "
                            "has images directly in it")

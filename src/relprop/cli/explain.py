@@ -25,6 +25,7 @@ from relprop.cli.inputs import (
     NAMED_NORMALIZATION,
     _composite,
     _output_names,
+    crops,
     load_images,
     load_model,
     predict,
@@ -58,7 +59,9 @@ def demo(out: Path, examples: int, evaluated: int) -> None:
 @click.option("--cmap", default="bwr", callback=_check_cmap, help="Colour map: a matplotlib name, or coldnhot.")
 @click.option("--clip", type=click.FloatRange(0, 100, min_open=True), default=None, show_default="off",
               help="Scale each heatmap by this percentile of |relevance| (e.g. 99.5) instead of its maximum.")
-@click.option("--scale", type=click.IntRange(min=1), default=1, help="Enlarge each heatmap pixel to SCALE x SCALE.")
+@click.option("--scale", type=click.IntRange(min=1), default=1,
+              help="Draw each heatmap pixel at least SCALE x SCALE screen pixels (small maps are enlarged to about "
+                   "256 pixels anyway, so that the title and the colour bar fit).")
 @click.option("--figure", is_flag=True, help="Also write explain.png: every image and its heatmap, with the "
                                              "predicted class and a colour bar (one row per image).")
 @click.option("--strict", is_flag=True, help="Fail on ops without an LRP rule instead of warning.")
@@ -67,14 +70,17 @@ def demo(out: Path, examples: int, evaluated: int) -> None:
 @click.option("--sample-photos", is_flag=True, help="Also explain the photos scikit-image ships (a cat, coffee, "
                                                     "an astronaut, ...), written to OUT/photos first.")
 def explain(images: tuple[str, ...], model: str, weights: str | None, random_weights: bool, preset: str, size: int,
-            channels: int, normalize: str | None, out: Path, target: int | None, batch_size: int, cmap: str,
-            clip: float | None, scale: int, figure: bool, strict: bool, text: str | None,
+            channels: int, normalize: str | None, whole: bool | None, out: Path, target: int | None, batch_size: int,
+            cmap: str, clip: float | None, scale: int, figure: bool, strict: bool, text: str | None,
             sample_photos: bool) -> None:
     """Write a relevance heatmap and an overlay per image, and explain.json.
 
+    Each picture has a title (the class explained, and the options that made it) and a
+    colour bar with its range of relevance; the overlay is drawn on the crop the model saw.
     Output names follow the images' paths below their common folder. An image that
     cannot be read is skipped with a warning (the others are explained); if none
-    can be read, nothing is done. Ctrl-C keeps the images finished so far.
+    can be read, nothing is done. A blank map (a logit of 0, relevance all zero) is
+    explained with a warning. Ctrl-C keeps the images finished so far.
     """
     if text is not None:
         return _explain_text(text, model, preset, target, out)
@@ -92,35 +98,69 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
     composite, preset = _model_composite(model, preset, normalize, channels)
     lrp = LRP(network, composite, strict=strict)
     names = _output_names(paths)
+    options = _options_text(preset, clip, normalize, channels, whole)
     summary: list[dict[str, Any]] = []
     shown: list[tuple[Tensor, Tensor]] = []  # pixels and channel-summed relevance, for --figure
     with _bar(len(paths), "explaining", "image") as bar:
         for start in range(0, len(paths), batch_size):
             batch = slice(start, start + batch_size)
-            inputs, raw = load_images(paths[batch], size, normalize, channels)
+            inputs, raw = load_images(paths[batch], size, normalize, channels, whole)
             entries, relevance = _explain_batch(lrp, inputs, target)
             for entry, path, name, image, rel in zip(entries, paths[batch], names[batch], raw, relevance):
                 files = {kind: out / f"{name}_{kind}.png" for kind in ("relevance", "overlay")}
-                entry = {"image": path, **entry, **{kind: str(file) for kind, file in files.items()}}
+                entry = {"image": path, **entry, "warning": _blank(entry, rel),
+                         **{kind: str(file) for kind, file in files.items()}}
                 if names_of is not None:
                     entry["class_name"], entry["prediction_name"] = names_of(entry["target"]), names_of(
                         entry["prediction"])
                 named = f" ({entry['class_name']})" if names_of is not None else ""
                 bar.write(f"{path}: class {entry['target']}{named} (logit {entry['logit']:.3f}, relevance sum "
                           f"{entry['relevance_sum']:.3f}) -> {files['relevance']}", file=sys.stdout)
-                viz.save_image(viz.heatmap(rel, cmap, clip), files["relevance"], scale=scale)
-                viz.save_image(viz.overlay(image, rel, cmap, clip), files["overlay"], scale=scale)
+                if entry["warning"] is not None:
+                    bar.write(f"relprop: warning: {path}: a blank map, {entry['warning']}", file=sys.stderr)
+                title = (f"{name}: class {entry['target']}{named} (logit {entry['logit']:.3g}, relevance sum "
+                         f"{entry['relevance_sum']:.3g}"
+                         + (f"; blank: {entry['warning']}" if entry["warning"] else "") + f")\n{options}")
+                viz.save_explanation(rel, files["relevance"], title=title, cmap=cmap, clip=clip, scale=scale)
+                viz.save_explanation(rel, files["overlay"], image=image, title=title, cmap=cmap, clip=clip,
+                                     scale=scale)
                 summary.append(entry)
                 if figure:
                     shown.append((image, rel.sum(0)))
             _write_json(summary, out / "explain.json")  # after every batch: it lists exactly the finished images
             bar.update(len(relevance))
     if figure:
-        title = f"LRP {preset}" + (f", class {target}" if target is not None else "")
         classes = None if names_of is None else [names_of(i) for i in range(max(e["prediction"] for e in summary) + 1)]
-        viz.save_heatmap_grid(torch.stack([p for p, _ in shown]), {title: torch.stack([r for _, r in shown])},
+        column = f"LRP {preset}" + (f", class {target}" if target is not None else "")
+        viz.save_heatmap_grid(torch.stack([p for p, _ in shown]), {column: torch.stack([r for _, r in shown])},
                               out / "explain.png", predictions=[e["prediction"] for e in summary], cmap=cmap,
-                              clip=clip, class_names=classes)
+                              clip=clip, title=options, class_names=classes)
+
+
+def _options_text(preset: str, clip: float | None, normalize: str | None, channels: int, whole: bool | None) -> str:
+    """The options that made the pictures, for their titles: ``LRP epsilon-plus-flat, --smooth-stride, ...``."""
+    ctx = click.get_current_context(silent=True)
+    meta = ctx.meta if ctx is not None else {}
+    parts = [f"LRP {preset}"]
+    if meta.get("relprop.smooth_stride"):
+        parts.append("--smooth-stride")
+    parts += [f"--func-rule\u00a0{rule}" for rule in meta.get("relprop.func_rules", ())]  # kept on one line
+    parts.append(f"--clip\u00a0{clip:g}" if clip is not None else "no --clip")
+    parts.append("centre crop" if crops(normalize, channels, whole) else "whole image")
+    return ", ".join(parts)
+
+
+def _blank(entry: dict[str, Any], relevance: Tensor) -> str | None:
+    """Why an image's map is blank (or meaningless), or None: the logit is 0, the relevance is zero or not finite."""
+    if entry["logit"] == 0:
+        return "logit is 0"
+    if not torch.isfinite(relevance).all():
+        return "relevance is not finite (NaN or infinite)"
+    if not relevance.any():
+        return "relevance is all zero"
+    if not relevance.sum(0).any():
+        return "relevance cancels to zero in every pixel (over the channels)"
+    return None
 
 
 def _write_sample_photos(folder: Path) -> list[str]:
@@ -230,7 +270,8 @@ def _explain_text(text: str, folder: str, preset: str, target: int | None, out: 
 @click.option("--baseline", default="0.0", callback=lambda c, p, v: _baseline(v),
               help="The value replaced regions take (in the model's normalised input), or uniform (noise).")
 def evaluate(images: tuple[str, ...], model: str, weights: str | None, random_weights: bool, preset: str, size: int,
-             channels: int, normalize: str | None, out: Path, steps: int, region: int, baseline: float | str) -> None:
+             channels: int, normalize: str | None, whole: bool | None, out: Path, steps: int, region: int,
+             baseline: float | str) -> None:
     """Pixel-flipping AOPC of LRP against Gradient, Integrated Gradients and a random order.
 
     Prints the scores, then writes aopc.json and pixel_flipping.png. An image that
@@ -241,7 +282,7 @@ def evaluate(images: tuple[str, ...], model: str, weights: str | None, random_we
 
     paths = readable_images(images, channels)
     network = load_model(model, weights, random_weights)
-    inputs, _ = load_images(paths, size, normalize, channels)
+    inputs, _ = load_images(paths, size, normalize, channels, whole)
     target = torch.tensor(_targets(None, predict(network, inputs)))
     explainers: dict[str, Any] = {f"LRP {preset}": LRP(network, _composite(preset, normalize, channels)),
                                   "Gradient": methods.InputGradient(network),

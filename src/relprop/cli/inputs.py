@@ -164,9 +164,23 @@ def shape_advice(inputs: Tensor) -> Iterator[None]:
         text = " ".join(str(error).split())
         if isinstance(error, AssertionError) or "shape" in text or "size" in text or "channels" in text:
             raise CommandError(f"the model cannot take images of shape {tuple(inputs.shape[1:])}"
-                               f"{f' ({text})' if text else ''}; set --size and --channels to what it expects, "
-                               "e.g. --size 28 --channels 1 for MNIST, --size 224 for ImageNet models") from None
+                               f"{f' (it says: {text})' if text else ''}; {_what_to_do(text)}") from None
         raise
+
+
+def _what_to_do(text: str) -> str:
+    """The advice for a model's shape error: the flag and value it names, where its text says one."""
+    import re
+
+    channels = re.search(r"to have (\d+) channels", text)
+    if channels:
+        return f"rerun with --channels {channels.group(1)}"
+    size = (re.search(r"(?i)expected (?:an? )?(?:image )?(?:height|width|size)?\D{0,12}?(\d+)\b(?! channels)", text)
+            or re.search(r"(?i)match model \((\d+)", text))  # torchvision's ViT; timm's
+    if size and int(size.group(1)) > 3:
+        return f"rerun with --size {size.group(1)}"
+    return ("set --size and --channels to what it expects, e.g. --size 28 --channels 1 for MNIST, --size 224 for "
+            "ImageNet models")
 
 
 def predict(model: nn.Module, inputs: Tensor) -> Tensor:
@@ -224,12 +238,41 @@ def _normalization(normalize: str | None, channels: int) -> tuple[Tensor, Tensor
     return torch.zeros(1, channels, 1, 1), torch.ones(1, channels, 1, 1)
 
 
-def load_images(paths: Sequence[str], size: int, normalize: str | None, channels: int) -> tuple[Tensor, Tensor]:
-    """Images resized to ``size`` x ``size``: the model input and the pixels in [0, 1], each (N, C, H, W)."""
+def crops(normalize: str | None, channels: int, whole: bool | None) -> bool:
+    """Whether images are centre-cropped (``--crop``) or squashed whole (``--whole``): by default, cropped with
+    ImageNet's normalisation (torchvision's ImageNet preprocessing), whole without (MNIST digits are whole)."""
+    if whole is not None:
+        return not whole
+    return normalize in ("imagenet", "inception") or normalize is None and channels == 3
+
+
+def _resized(image: Any, size: int, crop: bool) -> Any:
+    """``image`` as the model sees it: squashed to ``size`` x ``size``, or as torchvision's ImageNet transforms,
+    ``Resize(round(size * 256 / 224))`` (the short side, bilinear, antialiased) then ``CenterCrop(size)``."""
+    from PIL import Image
+
+    if not crop:
+        return image.resize((size, size))
+    width, height = image.size
+    short = round(size * 256 / 224)
+    new = (short, int(short * height / width)) if width <= height else (int(short * width / height), short)
+    image = image.resize(new, Image.Resampling.BILINEAR)  # PIL's filters are antialiased when they shrink, as torchvision's
+    left, top = round((new[0] - size) / 2.0), round((new[1] - size) / 2.0)  # as CenterCrop
+    return image.crop((left, top, left + size, top + size))
+
+
+def load_images(paths: Sequence[str], size: int, normalize: str | None, channels: int,
+                whole: bool | None = None) -> tuple[Tensor, Tensor]:
+    """Images as ``size`` x ``size`` inputs: the model input and the pixels in [0, 1], each (N, C, H, W).
+
+    ``whole`` squashes each whole image to ``size`` x ``size``; otherwise its short side is resized and its
+    centre cropped (:func:`crops` says which is the default).
+    """
     import numpy as np
 
     mean, std = _normalization(normalize, channels)
-    pixels = [torch.from_numpy(np.asarray(_decode(path, channels).resize((size, size)), dtype=np.float32).copy())
+    crop = crops(normalize, channels, whole)
+    pixels = [torch.from_numpy(np.asarray(_resized(_decode(path, channels), size, crop), dtype=np.float32).copy())
               .reshape(size, size, channels).permute(2, 0, 1) / 255.0 for path in paths]
     raw = torch.stack(pixels)
     return (raw - mean) / std, raw
@@ -240,9 +283,9 @@ def _composite(preset: str, normalize: str | None, channels: int) -> composites.
     ctx = click.get_current_context(silent=True)
     meta = ctx.meta if ctx is not None else {}
     options = {"smooth_stride": meta.get("relprop.smooth_stride", False), "func_map": meta.get("relprop.func_map")}
-    if preset == "epsilon-gamma-box":
-        mean, std = _normalization(normalize, channels)
-        return composites.EpsilonGammaBox(low=(0 - mean) / std, high=(1 - mean) / std, **options)
+    if preset == "epsilon-gamma-box":  # its bounds from the preprocessing, as in Python: normalization=
+        _normalization(normalize, channels)  # --normalize imagenet with --channels 1 fails here, as it does for images
+        options["normalization"] = normalize if normalize is not None else "imagenet" if channels == 3 else "none"
     return composites.get(preset, **options)
 
 

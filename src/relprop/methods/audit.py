@@ -66,11 +66,15 @@ class Audit:
         return [row for row in self.rows if row.rule == "none"]
 
     def __str__(self) -> str:
-        header = f"{'module':32s} {'op':28s} {'rule':34s} {'R in':>12s} {'R out':>12s} {'absorbed':>9s}"
+        # every column as wide as its longest entry: module paths and rule names are shown in full
+        module = max([len("module"), *(len(row.module) for row in self.rows)])
+        op = max([len("op"), *(len(row.op) for row in self.rows)])
+        rule = max([len("rule"), *(len(row.rule) for row in self.rows)])
+        header = f"{'module':{module}s} {'op':{op}s} {'rule':{rule}s} {'R in':>12s} {'R out':>12s} {'absorbed':>9s}"
         lines = [header, "-" * len(header)]
         for row in self.rows:
             share = row.absorbed / row.relevance_in if row.relevance_in else 0.0
-            lines.append(f"{row.module[:32]:32s} {row.op[:28]:28s} {row.rule[:34]:34s} "
+            lines.append(f"{row.module:{module}s} {row.op:{op}s} {row.rule:{rule}s} "
                          f"{row.relevance_in:12.5g} {row.relevance_out:12.5g} {share:9.2%}")
         lines.append("-" * len(header))
         lines.append(f"seed {self.seed_total:.6g}  inputs {self.input_total:.6g}  absorbed by ops "

@@ -24,8 +24,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.colors import Colormap, LinearSegmentedColormap  # noqa: E402
 
-__all__ = ["COLD_AND_HOT", "colormap", "scale_of", "normalize", "heatmap", "overlay", "save_image", "save_heatmap_grid",
-           "save_pixel_flipping", "atomic_path", "text_html", "text_terminal", "save_generation_matrix"]
+__all__ = ["COLD_AND_HOT", "colormap", "scale_of", "normalize", "heatmap", "overlay", "save_image", "save_explanation",
+           "save_heatmap_grid", "save_pixel_flipping", "atomic_path", "text_html", "text_terminal",
+           "save_generation_matrix"]
 
 #: The field's "cold and hot" map: negative cyan-blue, zero black, positive red-yellow.
 COLD_AND_HOT = LinearSegmentedColormap.from_list(
@@ -103,23 +104,116 @@ def heatmap(relevance: Array, cmap: str = "bwr", clip: float | None = None) -> n
     return np.round(colours * 255).astype(np.uint8)
 
 
-def overlay(image: Array, relevance: Array, cmap: str = "bwr", clip: float | None = None) -> np.ndarray:
-    """Relevance painted over ``image`` (C, H, W or H, W): both signs in full colour, the image in grey.
+def _grey(image: Array) -> np.ndarray:
+    """The picture's luminance in [0, 1], stretched to its range (one channel as it is, three by Rec. 601)."""
+    array = image.detach().cpu().double().numpy() if isinstance(image, torch.Tensor) else np.asarray(image, float)
+    if array.ndim == 3:
+        array = np.tensordot([0.299, 0.587, 0.114], array, axes=1) if array.shape[0] == 3 else array.mean(0)
+    low, high = array.min(), array.max()
+    return (array - low) / (high - low) if high > low else np.zeros_like(array)
 
-    The image becomes a mid-grey picture (so that dark and light colours both
-    stand out on it); each pixel takes the colour map's end colour of its sign
-    with an opacity of ``0.9 * |relevance / scale| ** 0.7`` (a power below 1
-    keeps weak relevance visible). Returns an RGB image (H, W, 3, uint8).
+
+#: the darkest and lightest grey of the photo under an overlay: dimmed, so that the colours stand out
+OVERLAY_GREY = (0.12, 0.62)
+
+
+def _overlay_colours(signed: np.ndarray, grey: np.ndarray | float, cmap: str) -> np.ndarray:
+    colours = colormap(cmap)((signed + 1.0) / 2.0)[..., :3]
+    weight = np.abs(signed)[..., None]  # opacity proportional to |relevance|: 0 shows the photo alone
+    return (1 - weight) * np.asarray(grey)[..., None] + weight * colours
+
+
+def overlay(image: Array, relevance: Array, cmap: str = "bwr", clip: float | None = None) -> np.ndarray:
+    """Relevance painted over ``image`` (C, H, W or H, W): the colour map over a dimmed grey photo.
+
+    The photo becomes grey (its luminance, stretched to its range, between
+    :data:`OVERLAY_GREY`'s greys); each pixel takes the colour map's colour of
+    its relevance with an opacity of ``|relevance / scale|`` (:func:`scale_of`),
+    so irrelevant pixels show the photo and the most relevant ones the colour
+    map's end colours in full. Returns an RGB image (H, W, 3, uint8).
     """
-    picture = _to_map(image)  # channels summed: a grey picture once stretched to its range
-    low, high = picture.min(), picture.max()
-    grey = 0.35 + 0.4 * ((picture - low) / (high - low) if high > low else np.zeros_like(picture))
-    signed = normalize(relevance, clip)
-    ends = colormap(cmap)([0.0, 1.0])[:, :3]
-    colour = np.where(signed[..., None] >= 0, ends[1], ends[0])
-    weight = 0.9 * np.abs(signed)[..., None] ** 0.7
-    blended = (1 - weight) * grey[..., None] + weight * colour
+    dark, light = OVERLAY_GREY
+    grey = dark + (light - dark) * _grey(image)
+    blended = _overlay_colours(normalize(relevance, clip), grey, cmap)
     return np.round(blended * 255).astype(np.uint8)
+
+
+def _wrap(text: str, inches: float, points: float) -> str:
+    """``text`` broken into lines that fit ``inches`` at a font of ``points`` (about 0.5 em a character); words
+    and options (``--clip``) are never split."""
+    import textwrap
+
+    width = max(12, int(inches * 72 / (0.5 * points)))
+    return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False)
+                     for line in text.split("\n"))
+
+
+def save_explanation(relevance: Array, path: str | Path, image: Array | None = None, title: str = "",
+                     cmap: str = "bwr", clip: float | None = None, scale: int = 1, dpi: int = 100) -> Path:
+    """One explanation as a labelled picture: the heatmap (or, with ``image``, the :func:`overlay`), a title, and
+    a colour bar in units of relevance.
+
+    Parameters
+    ----------
+    relevance : (C, H, W) or (H, W)
+    path : where the PNG goes
+    image : (C, H, W) pixels in [0, 1], optional
+        Draw the overlay on this picture instead of the bare heatmap.
+    title : str
+        Printed above (wrapped to the picture's width): what was explained, and how.
+    cmap, clip :
+        As for :func:`heatmap`. The colour bar runs from ``-scale`` to ``+scale``
+        (:func:`scale_of`: max ``|R|``, or the ``clip`` percentile); for the
+        overlay it shows the colours blended over grey as the picture does.
+    scale : int
+        Each relevance pixel is drawn at least ``scale`` x ``scale`` screen pixels
+        (small maps are enlarged to about 256 pixels, so that the text fits).
+    """
+    from matplotlib.colors import ListedColormap, Normalize
+
+    if image is not None:
+        picture = overlay(image, relevance, cmap, clip)
+    else:
+        picture = heatmap(relevance, cmap, clip)
+    height, width = picture.shape[:2]
+    magnify = max(scale, -(-256 // max(height, width)))
+    image_w, image_h = width * magnify / dpi, height * magnify / dpi
+    title = _wrap(title, image_w + 1.0, 8.5) if title else ""
+    lines = title.count("\n") + 1 if title else 0
+    value = scale_of(relevance, clip)
+    if value == 0:
+        label = "relevance (all zero: a blank map)"
+    else:
+        label = "relevance, " + (f"clipped at its {clip:g}th percentile of |R|" if clip is not None else "± max |R|")
+        if image is not None:
+            label += "; opacity ∝ |R|"
+    label = _wrap(label, image_h, 7.5)
+    ticks = np.linspace(-value, value, 5) if value > 0 else np.zeros(1)  # a blank map has no range but 0
+    tick_labels = [f"{tick:.3g}" for tick in ticks]
+    # the space right of the bar: its tick labels (about 0.55 em a character at 7 points) and the label's lines
+    right = 0.12 + max(len(text) for text in tick_labels) * 0.055 + 0.15 * (label.count("\n") + 1)
+    left, gap, bar_w, bottom = 0.12, 0.12, 0.16, 0.12
+    top = 0.12 + 0.17 * lines
+    figure = plt.figure(figsize=(left + image_w + gap + bar_w + right, bottom + image_h + top), dpi=dpi)
+    fw, fh = figure.get_size_inches()
+    axis = figure.add_axes((left / fw, bottom / fh, image_w / fw, image_h / fh))
+    axis.imshow(picture, interpolation="nearest")
+    axis.set_xticks([])
+    axis.set_yticks([])
+    if title:
+        figure.text(0.5, 1 - 0.06 / fh, title, ha="center", va="top", fontsize=8.5)
+    colours = colormap(cmap)
+    if image is not None:  # the overlay's own colours: the colour map blended over mid-grey by |relevance|
+        ramp = np.linspace(-1, 1, 255)
+        colours = ListedColormap(_overlay_colours(ramp, float(np.mean(OVERLAY_GREY)), cmap))
+    bar_axis = figure.add_axes(((left + image_w + gap) / fw, bottom / fh, bar_w / fw, image_h / fh))
+    shown = value if value > 0 else 1.0
+    bar = figure.colorbar(matplotlib.cm.ScalarMappable(norm=Normalize(-shown, shown), cmap=colours), cax=bar_axis,
+                          ticks=ticks)
+    bar.ax.set_yticklabels(tick_labels)
+    bar.ax.tick_params(labelsize=7)
+    bar.set_label(label, fontsize=7.5)
+    return _save_figure(figure, path, dpi)
 
 
 def save_image(array: np.ndarray, path: str | Path, scale: int = 1) -> Path:
@@ -158,7 +252,7 @@ def _row_label(index: int, labels: Sequence[int] | None, predictions: Sequence[i
 def save_heatmap_grid(inputs: Array, heatmaps: Mapping[str, Array], path: str | Path,
                       labels: Sequence[int] | None = None, predictions: Sequence[int] | None = None,
                       class_names: Sequence[str] | None = None, cmap: str = "bwr", clip: float | None = None,
-                      cell_inches: float = 1.5, dpi: int = 120) -> Path:
+                      cell_inches: float = 1.5, dpi: int = 120, title: str | None = None) -> Path:
     """A figure for a paper: one row per example (input, then one heatmap per method), with a colour bar.
 
     Parameters
@@ -173,6 +267,8 @@ def save_heatmap_grid(inputs: Array, heatmaps: Mapping[str, Array], path: str | 
         As for :func:`heatmap`. Each heatmap is scaled on its own; the number
         under it is that scale (the relevance shown in full colour), and the
         shared colour bar gives the fraction of it.
+    title : str, optional
+        Printed above the grid (wrapped to its width), e.g. the options that made the maps.
     """
     inputs = inputs.detach().cpu().numpy() if isinstance(inputs, torch.Tensor) else np.asarray(inputs)
     rows, columns = len(inputs), 1 + len(heatmaps)
@@ -183,8 +279,8 @@ def save_heatmap_grid(inputs: Array, heatmaps: Mapping[str, Array], path: str | 
         picture = inputs[r]
         shown = picture[0] if picture.shape[0] == 1 else np.clip(picture.transpose(1, 2, 0), 0, 1)
         axes[r][0].imshow(shown, cmap="gray", interpolation="nearest")
-        title, colour = _row_label(r, labels, predictions, class_names)
-        axes[r][0].set_ylabel(title, fontsize=9, color=colour)
+        row_title, colour = _row_label(r, labels, predictions, class_names)
+        axes[r][0].set_ylabel(row_title, fontsize=9, color=colour)
         for c, (name, relevance) in enumerate(heatmaps.items(), start=1):
             scale = scale_of(relevance[r], clip)
             axes[r][c].imshow(normalize(relevance[r], clip), cmap=colours, vmin=-1, vmax=1, interpolation="nearest")
@@ -197,8 +293,13 @@ def save_heatmap_grid(inputs: Array, heatmaps: Mapping[str, Array], path: str | 
     bar = figure.colorbar(matplotlib.cm.ScalarMappable(norm=matplotlib.colors.Normalize(-1, 1), cmap=colours),
                           ax=axes[:, 1:], shrink=min(1.0, 3.0 / rows + 0.3), aspect=25, ticks=[-1, -0.5, 0, 0.5, 1])
     scaled_by = f"{clip:g}th percentile of |R|" if clip is not None else "max |R|"
-    bar.set_label(f"relevance / scale under each map ({scaled_by})", fontsize=8)
+    # the bar is as long as the rows it spans: its label is wrapped to that length (one row is short)
+    length = cell_inches * rows * min(1.0, 3.0 / rows + 0.3)
+    scaled_by = scaled_by.replace(" ", "\u00a0")  # kept on one line
+    bar.set_label(_wrap(f"relevance / scale under each map ({scaled_by})", 0.9 * length, 8), fontsize=8)
     bar.ax.tick_params(labelsize=7)
+    if title:
+        figure.suptitle(_wrap(title, cell_inches * columns + 0.9, 8.5), fontsize=8.5)
     return _save_figure(figure, path, dpi)
 
 

@@ -225,15 +225,30 @@ def _samples(dataset: Any, sample_ids: Sequence | None) -> str:
 def fingerprint(model: nn.Module, dataset: Any, composite: Any, target: Any, sample_ids: Sequence | None = None,
                 **settings: Any) -> dict[str, str]:
     """The fingerprint of a dataset run: one text per part (see the module docstring); ``settings`` add parts."""
-    parts = {"model": _model_hash(model), "composite": describe(composites.get(composite)),
+    built = composites.get(composite)  # named as written, and a digest of all in it (rules, maps, tensors)
+    named = f"{composite!r} = {built!r}" if isinstance(composite, str) else repr(built)
+    parts = {"model": _model_hash(model), "composite": f"{named}{_SETTINGS}{_digest([describe(built).encode()])}",
              "transform": describe(getattr(dataset, "transform", None)), "target": describe(target),
              "samples": _samples(dataset, sample_ids)}
     parts.update({name: describe(value) for name, value in settings.items()})
     return parts
 
 
+_SETTINGS = "; settings sha256:"  # between a composite's name and the digest of all its settings
+
+
 def _short(text: str | None) -> str:
     return "absent" if text is None else (text if len(text) <= 60 else text[:57] + "...")
+
+
+def _difference(name: str, before: str | None, now: str | None) -> str:
+    """One part that differs, as the message shows it: composites by their names, the rest shortened."""
+    if name != "composite" or before is None or now is None or _SETTINGS not in now:
+        return f"{_PARTS.get(name, name)} (was {_short(before)}, now {_short(now)})"
+    old, new = before.partition(_SETTINGS)[0], now.partition(_SETTINGS)[0]
+    if old == new:
+        return f"{_PARTS[name]} ({new}, with other rules or parameters inside than before)"
+    return f"{_PARTS[name]} (was {old if _SETTINGS in before else _short(old)}, now {new})"
 
 
 def _check_run(out: Path, parts: dict[str, str]) -> None:
@@ -250,8 +265,7 @@ def _check_run(out: Path, parts: dict[str, str]) -> None:
         raise RunMismatch(f"relprop: {record} is not a run record ({error}); pass overwrite=True to start afresh")
     differ = [name for name in {**before, **parts} if before.get(name) != parts.get(name)]
     if differ:
-        what = "; ".join(f"{_PARTS.get(name, name)} (was {_short(before.get(name))}, now {_short(parts.get(name))})"
-                         for name in differ)
+        what = "; ".join(_difference(name, before.get(name), parts.get(name)) for name in differ)
         raise RunMismatch(f"relprop: {out} holds a different run: {what}; pass overwrite=True to start afresh, "
                           "or use another folder")
 
@@ -290,14 +304,16 @@ def _run_shards(out: Path, parts: dict[str, str], count: int, shard_size: int, o
     rank, world = _distributed()
     shards = -(-count // shard_size)
     done = _claim(out, parts, overwrite, rank, shards)
+    complete = done == shards
     if done and rank == 0:
-        message = f"relprop: resuming in {out}: {done} of {shards} shards already done, skipped"
+        message = (f"relprop: {out} holds this run complete ({done} of {shards} shards done): nothing left to do"
+                   if complete else f"relprop: resuming in {out}: {done} of {shards} shards already done, skipped")
         _log.info(message)
         if progress:
             print(message, file=sys.stderr)
     todo = [k for k in range(rank, shards, world) if not (out / _shard_name(k)).exists()]
     bar = None
-    if progress and rank == 0:
+    if progress and rank == 0 and not complete:  # a finished run shows its line above, not an empty bar
         from tqdm.auto import tqdm
         bar = tqdm(total=sum(min(shard_size, count - k * shard_size) for k in todo) * world, unit="sample",
                    desc=f"{verb} ({world} process{'es' if world > 1 else ''})")
