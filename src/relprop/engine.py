@@ -30,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import rules
 from .contract import Call
-from .graph import OpCall, OpKind, Workspace, is_activation, model_input, propagate, tap, watch
+from .graph import OpCall, OpKind, Workspace, is_activation, model_input, propagate, sum_to, tap, watch
 from .ops import ALWAYS_HANDLED, HANDLERS, from_aten, has_activation, has_parameter, op_name
 from .tracking import AliasTracker, aliases
 
@@ -86,6 +86,13 @@ def _is_activation_module(module: nn.Module) -> bool:
             and not module._modules and not module._parameters)
 
 
+def _sums_to(shape: torch.Size, target: torch.Size) -> bool:
+    """Whether a tensor of ``shape`` sums to ``target`` along broadcast dimensions."""
+    if len(target) > len(shape):
+        return False
+    return all(t in (1, s) for s, t in zip(reversed(shape), reversed(target)))
+
+
 class _Unhandled(rules.Gradient):
     """The plain gradient for an op without a rule, reported when relevance reaches it."""
 
@@ -100,6 +107,41 @@ class _Unhandled(rules.Gradient):
 
     def __repr__(self) -> str:
         return "none"
+
+
+@functools.cache
+def _custom_function(node_type: type) -> type | None:
+    """The ``torch.autograd.Function`` whose backward nodes are of ``node_type``; None for autograd's own nodes
+    and relprop's.
+
+    ``Function.apply`` is not a torch function: a torch function mode sees only the ops inside the Function's
+    forward, run with gradients off, and the output comes out with the Function's own backward as its history.
+    """
+    function = getattr(node_type, "_forward_cls", None)
+    if not isinstance(function, type) or function.__module__.split(".", 1)[0] == "relprop":
+        return None
+    return function
+
+
+class FunctionCall:
+    """A custom ``torch.autograd.Function`` applied in the forward pass, as the guard and the audit see it.
+
+    Relevance crosses it through a hook on its autograd node (:meth:`Session.custom_function`): its rule is
+    the composite's ``func_map`` entry for the class (``rules.Pass`` or ``rules.Gradient``), else its own
+    backward, reported.
+    """
+
+    kind = OpKind.UNKNOWN
+
+    def __init__(self, function: type, module_name: str, rule: rules.Rule):
+        self.function = function
+        self.func = function.apply
+        self.name = f"{function.__module__}.{function.__qualname__}"
+        self.module_name = module_name
+        self.rule = rule
+
+    def describe(self) -> str:
+        return f"custom autograd Function {self.name} in module '{self.module_name or '<root>'}'"
 
 
 def _constant_output(out: Any, args: tuple) -> Any:
@@ -253,6 +295,8 @@ class Session(TorchFunctionMode):
             return None
         if self.context.end_opaque() and output is not None:
             output = self._activation_module(module, args, output)
+        if isinstance(output, Tensor):  # a custom Function's output, named after the module that applied it
+            self.custom_functions((output,))
         self.context.exit()
         tapper = self._taps.get(module)
         if tapper is not None and not tapper.input and output is not None:
@@ -419,13 +463,55 @@ class Session(TorchFunctionMode):
         # several outputs: run on the model's graph and report where relevance enters
         return watch(call._call(func, call.activations), lambda relevance: self.report(call.describe(), relevance))
 
-    def report(self, description: str, relevance: Tensor, gradient: bool = True) -> None:
+    def custom_functions(self, args: tuple | list) -> None:
+        """Give every custom autograd Function whose output is among ``args`` its rule, once (a hook on its node).
+
+        The Function's forward is not intercepted as one op (see :func:`_custom_function`); its output is seen
+        when the first op reads it, or when the module that applied it returns it.
+        """
+        for value in args:
+            if type(value) in (list, tuple):
+                self.custom_functions(value)
+                continue
+            node = value.grad_fn if isinstance(value, Tensor) else None
+            if node is None or getattr(node, "_relprop_seen", False):
+                continue
+            function = _custom_function(type(node))
+            if function is None:
+                continue
+            node._relprop_seen = True  # a Function's node is its ctx: it takes attributes
+            rule = self.composite.function_rule(function)
+            call = FunctionCall(function, self.module_name, rule if rule is not None else _Unhandled(self))
+            node.register_hook(functools.partial(self._custom_backward, call))
+
+    def _custom_backward(self, call: FunctionCall, grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
+        """The relevance crossing a custom Function: its rule's, or its own backward's (reported)."""
+        arriving = [g for g in grad_outputs if g is not None]
+        if not arriving:
+            return None
+        relevance = arriving[0] if len(arriving) == 1 else torch.cat([g.reshape(-1) for g in arriving])
+        result = tuple(grad_inputs)
+        if isinstance(call.rule, rules.Pass):
+            slots = [i for i, g in enumerate(grad_inputs) if g is not None]
+            if len(slots) != 1 or len(arriving) != 1 or not _sums_to(relevance.shape, grad_inputs[slots[0]].shape):
+                raise RuleError(f"relprop: rule {call.rule!r} (func_map entry) cannot apply to {call.describe()}: "
+                                "it needs one differentiable input and one output that sums back to its shape")
+            result = tuple(sum_to(relevance, g.shape) if g is not None else None for g in grad_inputs)
+        elif isinstance(call.rule, _Unhandled):
+            self.report(call.describe(), relevance, consequence="its own backward was used as its gradient")
+        observe = self._observe if self.guard else self.audit
+        if observe is not None:
+            observe(call, relevance, result)
+        return result if isinstance(call.rule, rules.Pass) else None
+
+    def report(self, description: str, relevance: Tensor, gradient: bool = True, consequence: str | None = None) -> None:
         """Relevance reached an op without a rule: warn once (raise in strict mode).
 
         ``gradient``: whether the op's plain gradient carries the relevance on; else it stops there.
+        ``consequence``: what became of the relevance, if neither.
         """
-        consequence = ("its plain gradient was used" if gradient else
-                       "it has no gradient either, so the relevance stops there")
+        consequence = consequence or ("its plain gradient was used" if gradient else
+                                      "it has no gradient either, so the relevance stops there")
         if self.strict:
             raise UnsupportedOpError(f"relprop: no rule for {description}; {consequence} (strict mode)")
         if description not in self.unhandled:
@@ -449,6 +535,7 @@ class Session(TorchFunctionMode):
                 return func(*args, **kwargs)
             with torch.no_grad():
                 return _constant_output(func(*args, **kwargs), args)
+        self.custom_functions(args)
         try:
             if handler is None:
                 return self.unknown(func, args, kwargs)
