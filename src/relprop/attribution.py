@@ -323,7 +323,7 @@ class LRP(Attribution):
             # the model sees copies, so that in-place ops on its inputs are allowed
             output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra, **keywords)
         embeddings = {_position(leaves, tokens[i]): found for i, found in session.embeddings.items()}
-        return ForwardPass(leaves, model_logits(output), embeddings)
+        return ForwardPass(leaves, model_logits(output), embeddings, session if self.guard else None)
 
     @_eager
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,
@@ -412,10 +412,13 @@ class ForwardPass:
     logits : Tensor
     """
 
-    def __init__(self, inputs: tuple[Tensor, ...], logits: Tensor, embeddings: dict[int, list[Tensor]]):
+    def __init__(self, inputs: tuple[Tensor, ...], logits: Tensor, embeddings: dict[int, list[Tensor]],
+                 session: Session | None = None):
         self.inputs = inputs
         self.logits = logits
         self._embeddings = embeddings
+        #: the session that recorded the pass, if its guard checks the relevance's account (Session.check_pass)
+        self._session = session
 
     @_eager
     def relevance(self, seed: Tensor) -> tuple[Tensor, ...]:
@@ -425,8 +428,14 @@ class ForwardPass:
         if (explained or embedded) and not self.logits.requires_grad:
             raise RuntimeError("relprop: the model output does not depend on the inputs through autograd: the model "
                                "detached it, or computed it under torch.no_grad()")
-        grads = iter(torch.autograd.grad(self.logits, explained + embedded, seed, allow_unused=True)
-                     if explained or embedded else ())
+        session, self._session = self._session, None
+        if session is not None and (explained or embedded):
+            session.defer_check()  # checked below with the seed and the inputs' relevance, in one read
+        found = (torch.autograd.grad(self.logits, explained + embedded, seed, allow_unused=True)
+                 if explained or embedded else ())
+        if session is not None and (explained or embedded):
+            session.check_pass(seed, [g for g in found if g is not None])
+        grads = iter(found)
         by_leaf = {id(leaf): next(grads) for leaf in explained + embedded}
         relevance = []
         for index, x in enumerate(self.inputs):
