@@ -288,6 +288,11 @@ class Session(TorchFunctionMode):
         self._totals: list[tuple[Any, Tensor, Tensor, Tensor | None]] = []
         #: whether the caller checks the totals with the seed and the inputs' relevance (:meth:`check_pass`)
         self._deferred = False
+        #: whether an op has read activations with gradients off (as a custom Function's forward does): the ops
+        #: then look for custom Functions among their arguments (:meth:`custom_functions`)
+        self._custom = False
+        #: the module of the last op that read activations with gradients off: where a Function was applied
+        self._applied_in = ""
 
     # ------------------------------------------------------------ module context
 
@@ -320,7 +325,7 @@ class Session(TorchFunctionMode):
         if self.context.end_opaque() and output is not None:
             output = self._activation_module(module, args, output)
         if isinstance(output, Tensor):  # a custom Function's output, named after the module that applied it
-            self.custom_functions((output,))
+            self.custom_functions((output,), self.module_name)
         self.context.exit()
         tapper = self._taps.get(module)
         if tapper is not None and not tapper.input and output is not None:
@@ -543,25 +548,25 @@ class Session(TorchFunctionMode):
         # several outputs: run on the model's graph and report where relevance enters
         return watch(call._call(func, call.activations), lambda relevance: self.report(call.describe(), relevance))
 
-    def custom_functions(self, args: tuple | list) -> None:
+    def custom_functions(self, args: tuple | list, module_name: str) -> None:
         """Give every custom autograd Function whose output is among ``args`` its rule, once (a hook on its node).
 
         The Function's forward is not intercepted as one op (see :func:`_custom_function`); its output is seen
-        when the first op reads it, or when the module that applied it returns it.
+        when the module that applied it returns it or, once an op has read activations with gradients off (as
+        the ops of a Function's forward do), when the first op reads it. ``module_name``: the module that applied
+        it (for an op, the module of the last op that ran with gradients off).
         """
         for value in args:
-            if type(value) in (list, tuple):
-                self.custom_functions(value)
+            if not isinstance(value, Tensor):
+                if type(value) in (list, tuple):
+                    self.custom_functions(value, module_name)
                 continue
-            node = value.grad_fn if isinstance(value, Tensor) else None
-            if node is None or getattr(node, "_relprop_seen", False):
-                continue
-            function = _custom_function(type(node))
-            if function is None:
+            node = value.grad_fn
+            if node is None or (function := _custom_function(type(node))) is None or hasattr(node, "_relprop_seen"):
                 continue
             node._relprop_seen = True  # a Function's node is its ctx: it takes attributes
             rule = self.composite.function_rule(function)
-            call = FunctionCall(function, self.module_name, rule if rule is not None else _Unhandled(self))
+            call = FunctionCall(function, module_name, rule if rule is not None else _Unhandled(self))
             node.register_hook(functools.partial(self._custom_backward, call))
 
     def _custom_backward(self, call: FunctionCall, grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
@@ -615,7 +620,12 @@ class Session(TorchFunctionMode):
                 return func(*args, **kwargs)
             with torch.no_grad():
                 return _constant_output(func(*args, **kwargs), args)
-        self.custom_functions(args)
+        if not torch.is_grad_enabled():
+            # an op on activations with gradients off: in a custom Function's forward (or a no_grad block); from
+            # here on, the ops look for custom Functions' outputs among their arguments
+            self._custom, self._applied_in = True, self.module_name
+        if self._custom:
+            self.custom_functions(args, self._applied_in)
         try:
             if handler is None:
                 return self.unknown(func, args, kwargs)
