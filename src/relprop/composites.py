@@ -188,8 +188,9 @@ class Composite:
     """
 
     #: what makes a factor of a product a gate that takes no relevance: a sigmoid output, a normalising
-    #: statistic (``x * rsqrt(var)``), a divisor, an exponential weight (``exp(k - max) * v``)
-    gate_kinds: frozenset[str] = frozenset({"sigmoid", "statistic", "divisor", "exp"})
+    #: statistic (``x * rsqrt(var)``), a divisor, an exponential weight (``exp(k - max) * v``), attention weights
+    #: (a softmax output: LRP-0 of ``A v`` with ``A`` held constant, which conserves; AttnLRP splits it instead)
+    gate_kinds: frozenset[str] = frozenset({"sigmoid", "statistic", "divisor", "exp", "softmax"})
 
     def __init__(self, epsilon: float = 1e-6, conv: Rule | None = None, dense: Rule | None = None,
                  first: Mapping[str, Rule] | None = None, layer_map: _TypeMap | None = None,
@@ -217,7 +218,8 @@ class Composite:
         self._uniform = rules.UniformProduct(epsilon)
         self._gated = rules.SignalTakesAll(epsilon, self.gate_kinds)
         self._softmax = rules.Softmax()
-        self.attention: Rule = self._uniform
+        #: fused attention: the values take all, the weights held constant (AttnLRP: split uniformly)
+        self.attention: Rule = self._gated
 
     def _smoothed(self, rule: Rule, any_stride: bool = False) -> rules.SmoothStride:
         """SmoothStride with ``rule`` where that is built from terms (ZPlus, Flat, ZBox, ...), else the epsilon rule
@@ -374,10 +376,14 @@ class AttnLRP(Composite):
         Stabiliser of products and sums; 0 gives exact LRP-0 (divisions by 0 give 0).
     """
 
+    #: attention weights are no gates: ``A v`` splits uniformly, the softmax takes its rule
+    gate_kinds = frozenset({"sigmoid", "statistic", "divisor", "exp"})
+
     def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs: Any) -> None:
         linear = rules.Gamma(gamma, stabilizer=epsilon) if gamma is not None else rules.Epsilon(epsilon)
         self.gamma = gamma
         super().__init__(epsilon, conv=linear, dense=linear, **kwargs)
+        self.attention = self._uniform
 
 
 class CPLRP(AttnLRP):
