@@ -143,7 +143,7 @@ def _custom_function(node_type: type) -> type | None:
 class FunctionCall:
     """A custom ``torch.autograd.Function`` applied in the forward pass, as the guard and the audit see it.
 
-    Relevance crosses it through a hook on its autograd node (:meth:`Session.custom_function`): its rule is
+    Relevance crosses it through a hook on its autograd node (:meth:`Session.custom_functions`): its rule is
     the composite's ``func_map`` entry for the class (``rules.Pass`` or ``rules.Gradient``), else its own
     backward, reported.
     """
