@@ -116,6 +116,25 @@ def test_timm(family: str, check: str) -> None:
         check_conserves(relevance, logit, rtol=1e-6)
 
 
+#: timm models explained at their own size with LRP-0 on their bias-free form, where the sum must be the logit:
+#: timm's iformer_t summed to 27 to 140 times the logit at 224 px, with no warning (#37: its attention's weights
+#: took half the relevance and absorbed it, and LRP-0's residual sums make the relevance of a branch many times
+#: the logit)
+LRP0_CONSERVES = {"iformer_t": 224}
+
+
+@pytest.mark.parametrize("name", LRP0_CONSERVES)
+def test_timm_lrp0_conserves_bias_free(name: str) -> None:
+    side = LRP0_CONSERVES[name]
+    torch.manual_seed(0)
+    model = zero_biases(timm.create_model(name, pretrained=False).double().eval())
+    x = torch.randn(1, 3, side, side, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    relevance = relprop.LRP(model, relprop.composites.Epsilon(0.0), strict=True).attribute(x, target=TARGET)
+    with torch.no_grad():
+        logit = model(x)[:, TARGET]
+    check_conserves(relevance, logit, rtol=1e-6)
+
+
 # ---------------------------------------------------------------- Hugging Face
 IDS = torch.randint(3, 50, (2, 10), generator=torch.Generator().manual_seed(1))
 DECODER_IDS = torch.randint(3, 50, (2, 6), generator=torch.Generator().manual_seed(2))

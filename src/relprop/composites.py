@@ -46,6 +46,7 @@ from fnmatch import fnmatchcase
 from types import MappingProxyType
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from relprop import rules
@@ -118,6 +119,23 @@ def _rule_bearing() -> frozenset[str]:
     return frozenset(function_name(func) for func, handler in HANDLERS.items() if handler not in ROUTING_HANDLERS)
 
 
+def _function_rule(function: type, rule: Rule) -> Rule:
+    """``rule`` for a custom autograd Function, if it is one such a Function can take.
+
+    The engine sees a Function through its autograd node alone (``Function.apply`` is not a torch function, and
+    its forward runs with gradients off), so it knows the relevance arriving and what the Function's backward
+    makes of it, not the inputs: ``rules.Pass()`` (the relevance crosses it unchanged, for a Function with one
+    input of the output's shape) and ``rules.Gradient()`` (its own backward, without a warning) are the rules it
+    can apply.
+    """
+    if not isinstance(rule, (rules.Pass, rules.Gradient)):
+        raise ValueError(f"relprop: func_map cannot give the custom autograd Function "
+                         f"{function.__module__}.{function.__qualname__} the rule {rule!r}: a custom Function "
+                         "takes rules.Pass() (its relevance crosses it unchanged) or rules.Gradient() (its own "
+                         "backward)")
+    return rule
+
+
 def _pairs(mapping: Mapping | Iterable | None) -> list[tuple]:
     if mapping is None:
         return []
@@ -151,6 +169,9 @@ class Composite:
         every call it matches, else :class:`~relprop.RuleError`. A
         function that relevance only passes through (``reshape``,
         ``torch.max``) or that relprop has no op for raises ``ValueError``.
+        A key may also be a custom ``torch.autograd.Function`` class
+        (``{MySTE: rules.Pass()}``), with ``rules.Pass()`` or
+        ``rules.Gradient()`` (see :meth:`function_rule`).
     smooth_stride : bool
         Propagate every convolution and max pooling with a stride above 1
         (ResNet's stem, its strided 3x3 convolutions and downsampling
@@ -166,8 +187,9 @@ class Composite:
     """
 
     #: what makes a factor of a product a gate that takes no relevance: a sigmoid output, a normalising
-    #: statistic (``x * rsqrt(var)``), a divisor, an exponential weight (``exp(k - max) * v``)
-    gate_kinds: frozenset[str] = GATE_TAGS
+    #: statistic (``x * rsqrt(var)``), a divisor, an exponential weight (``exp(k - max) * v``), attention weights
+    #: (a softmax output: LRP-0 of ``A v`` with ``A`` held constant, which conserves; AttnLRP splits it instead)
+    gate_kinds: frozenset[str] = GATE_TAGS | {"softmax"}
 
     def __init__(self, epsilon: float = 1e-6, conv: Rule | None = None, dense: Rule | None = None,
                  first: Mapping[str, Rule] | None = None, layer_map: _TypeMap | None = None,
@@ -180,7 +202,11 @@ class Composite:
         self.name_map = _pairs(name_map)
         self.func_map = _pairs(func_map)
         self._by_function: dict[str, tuple[str, Rule]] = {}  # function name -> (the key's name, its rule)
+        self._by_class: dict[type, Rule] = {}  # custom autograd Function -> its rule (see function_rule)
         for func, rule in self.func_map:
+            if isinstance(func, type) and issubclass(func, torch.autograd.Function):
+                self._by_class.setdefault(func, _function_rule(func, rule))
+                continue
             self._by_function.setdefault(function_name(func, check=True), (op_name(func), rule))
         self.smooth_stride = self._smoothed(self.conv) if smooth_stride else None
         # a first layer (the stem) takes its own rule before smooth_stride is asked: that rule is smoothed itself
@@ -191,7 +217,8 @@ class Composite:
         self._uniform = rules.UniformProduct(epsilon)
         self._gated = rules.SignalTakesAll(epsilon, self.gate_kinds)
         self._softmax = rules.Softmax()
-        self.attention: Rule = self._uniform
+        #: fused attention: the values take all, the weights held constant (AttnLRP: split uniformly)
+        self.attention: Rule = self._gated
 
     def _smoothed(self, rule: Rule, any_stride: bool = False) -> rules.SmoothStride:
         """SmoothStride with ``rule`` where that is built from terms (ZPlus, Flat, ZBox, ...), else the epsilon rule
@@ -200,6 +227,16 @@ class Composite:
             return rules.SmoothStride(self.epsilon, rule=rule, any_stride=any_stride)
         epsilon = rule.epsilon if isinstance(rule, rules.Epsilon) else self.epsilon
         return rules.SmoothStride(epsilon, any_stride=any_stride)
+
+    def function_rule(self, function: type) -> Rule | None:
+        """The ``func_map`` rule for a custom ``torch.autograd.Function`` met in the forward pass (or a base class).
+
+        None: none was given; its own backward then carries the relevance, as a gradient, and it is reported.
+        """
+        for cls in function.__mro__ if self._by_class else ():
+            if cls in self._by_class:
+                return self._by_class[cls]
+        return None
 
     @staticmethod
     def own_rule(module: nn.Module | None) -> Rule | None:
@@ -429,10 +466,14 @@ class AttnLRP(Composite):
         Stabiliser of products and sums; 0 gives exact LRP-0 (divisions by 0 give 0).
     """
 
+    #: attention weights are no gates: ``A v`` splits uniformly, the softmax takes its rule
+    gate_kinds = GATE_TAGS
+
     def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs: Any) -> None:
         linear = rules.Gamma(gamma, stabilizer=epsilon) if gamma is not None else rules.Epsilon(epsilon)
         self.gamma = gamma
         super().__init__(epsilon, conv=linear, dense=linear, **kwargs)
+        self.attention = self._uniform
 
     def _parameters(self) -> list[str]:
         return [f"gamma={self.gamma!r}"] if self.gamma is not None else []

@@ -49,6 +49,15 @@ class Rule(Generic[C_contra]):
         if "prepare" in vars(cls) and "prepares" not in vars(cls):  # a rule that prepares reads the output there
             cls.prepares = True
 
+    @property
+    def fills_zeros(self) -> bool:
+        """Whether the rule may give an input entry of value 0 relevance of its own (Flat, WSquare, ZBox's bounds).
+
+        Where that entry is padding (``F.pad`` before a first layer), the relevance reaches a constant and is
+        lost out of any op's account: the guard does not account for such a pass.
+        """
+        return False
+
     def accepts(self, call: C_contra) -> bool:
         """Whether this rule can propagate through ``call`` (a call of any kind)."""
         return call.kind in self.kinds

@@ -13,7 +13,7 @@ also when the forward raises. What the pass knows about its activations
 :class:`~relprop.ops.OpHost` protocol."""
 from __future__ import annotations
 
-import math
+import functools
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -26,22 +26,17 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from relprop._core.contract import Call
-from relprop._core.errors import ConservationWarning, RuleError, UnhandledOpWarning, UnsupportedOpError
+from relprop._core.errors import RuleError, UnhandledOpWarning, UnsupportedOpError
 from relprop._core.kinds import OpKind
 from relprop._core.registry import ALWAYS_HANDLED, HANDLERS, op_name, resolve
-from relprop._core.rule import Gradient, Rule
-from relprop._core.tensors import has_activation, has_parameter, is_activation
+from relprop._core.rule import Gradient, Pass, Rule, broadcasts_to
+from relprop._core.tensors import has_activation, has_parameter, is_activation, sum_to
 from relprop.engine.calls import OpCall
 from relprop.engine.context import ModuleContext
+from relprop.engine.guard import Guard
 from relprop.engine.nodes import propagate, tap, watch
 from relprop.engine.parametric import Workspace, model_input
 from relprop.engine.tracking import AliasTracker, aliases
-
-#: how far the relevance an op hands on may exceed the relevance arriving (its absolute values summed) before a
-#: rule that conserves is reported. A conservative rule with a stabiliser hands on sum_k R_k z_k / (z_k + eps),
-#: never more than sum_k |R_k|: any excess is relevance created, and no stabiliser can cause it
-CONSERVATION_MARGIN = 1e-2
-
 
 _current = threading.local()
 
@@ -64,6 +59,41 @@ class _Unhandled(Gradient):
 
     def __repr__(self) -> str:
         return "none"
+
+
+@functools.cache
+def _custom_function(node_type: type) -> type | None:
+    """The ``torch.autograd.Function`` whose backward nodes are of ``node_type``; None for autograd's own nodes
+    and relprop's.
+
+    ``Function.apply`` is not a torch function: a torch function mode sees only the ops inside the Function's
+    forward, run with gradients off, and the output comes out with the Function's own backward as its history.
+    """
+    function = getattr(node_type, "_forward_cls", None)
+    if not isinstance(function, type) or function.__module__.split(".", 1)[0] == "relprop":
+        return None
+    return function
+
+
+class FunctionCall:
+    """A custom ``torch.autograd.Function`` applied in the forward pass, as the guard and the audit see it.
+
+    Relevance crosses it through a hook on its autograd node (:meth:`Session.custom_functions`): its rule is
+    the composite's ``func_map`` entry for the class (``Pass`` or ``rules.Gradient``), else its own
+    backward, reported.
+    """
+
+    kind = OpKind.UNKNOWN
+
+    def __init__(self, function: type, module_name: str, rule: Rule):
+        self.function = function
+        self.func = getattr(function, "apply")  # a torch.autograd.Function's classmethod
+        self.name = f"{function.__module__}.{function.__qualname__}"
+        self.module_name = module_name
+        self.rule = rule
+
+    def describe(self) -> str:
+        return f"custom autograd Function {self.name} in module '{self.module_name or '<root>'}'"
 
 
 def _constant_output(out: Any, args: tuple) -> Any:
@@ -90,8 +120,11 @@ class RuleSource(Protocol):
     def own_rule(self, module: nn.Module | None) -> Rule | None:
         """The rule set on ``module`` itself (``module.rule``), if any."""
 
+    def function_rule(self, function: type) -> Rule | None:
+        """The rule given to a custom ``torch.autograd.Function`` (``func_map`` by class), if any."""
 
-class Session(TorchFunctionMode):
+
+class Session(Guard, TorchFunctionMode):
     """One attribution forward pass of ``model`` with rules from ``composite``.
 
     Parameters
@@ -144,9 +177,17 @@ class Session(TorchFunctionMode):
         self.unhandled: list[str] = []
         #: scratch memory the parametric op calls share (see :class:`relprop.engine.Workspace`)
         self.workspace = Workspace()
-        #: per op reached in the backward pass: the call, the relevance it handed on and, if its rule conserves, the
-        #: relevance that arrived summed in absolute value; checked together once the pass ends (:meth:`_check`)
-        self._totals: list[tuple[OpCall, Tensor, Tensor | None]] = []
+        #: per op reached in the backward pass: the call, the relevance it handed on, the relevance that arrived
+        #: and, if its rule conserves, that summed in absolute value; checked together once the pass ends
+        #: (:meth:`_check`)
+        self._totals: list[tuple[Any, Tensor, Tensor, Tensor | None]] = []
+        #: whether the caller checks the totals with the seed and the inputs' relevance (:meth:`check_pass`)
+        self._deferred = False
+        #: whether an op has read activations with gradients off (as a custom Function's forward does): the ops
+        #: then look for custom Functions among their arguments (:meth:`custom_functions`)
+        self._custom = False
+        #: the module of the last op that read activations with gradients off: where a Function was applied
+        self._applied_in = ""
 
     # ------------------------------------------------------------ module context
 
@@ -178,6 +219,8 @@ class Session(TorchFunctionMode):
             return None
         if self.context.end_opaque() and output is not None:
             output = self._activation_module(module, args, output)
+        if isinstance(output, Tensor):  # a custom Function's output, named after the module that applied it
+            self.custom_functions((output,), self.module_name)
         self.context.exit()
         tapper = self._taps.get(module)
         if tapper is not None and not tapper.input and output is not None:
@@ -279,58 +322,6 @@ class Session(TorchFunctionMode):
         self.aliases.recorded(call, out)
         return out
 
-    def _observe(self, call: OpCall, relevance: Tensor, result: tuple[Tensor | None, ...]) -> None:
-        """After ``call`` propagated ``relevance``: the audit, if any, and the guard's totals.
-
-        An op that hands on the very relevance that arrived (an activation's Pass) has nothing to check.
-        """
-        if self.audit is not None:
-            self.audit(call, relevance, result)
-        handed = [r for r in result if r is not None]
-        if all(r is relevance for r in handed):
-            return
-        if not self._totals:  # the first op of this backward pass: check them all when it ends
-            torch.autograd.Variable._execution_engine.queue_callback(self._check)
-        total = handed[0].sum()
-        for r in handed[1:]:  # one addition per further input: fewer ops than stacking their sums
-            total = total + r.sum()
-        # the relevance arriving, summed in absolute value: a conservative rule never hands on more
-        mass = relevance.abs().sum() if call.rule.conserves(call) else None  # faster than vector_norm(r, 1) on CPU
-        # kept as tensors and read once at the end: one synchronisation per backward pass on a GPU, not one per op
-        self._totals.append((call, total, mass))
-
-    def _check(self) -> None:
-        """Report the ops of the backward pass that made NaN or infinite relevance, or created relevance."""
-        entries, self._totals = self._totals, []
-        if not entries:
-            return
-        values = [value for _, total, mass in entries for value in (total, mass) if value is not None]
-        if len({value.dtype for value in values}) > 1:
-            values = [value.double() for value in values]
-        numbers = iter(torch.stack(values).tolist())
-        first_infinite = True
-        for call, _, mass in entries:  # in the order the relevance reached them
-            total = next(numbers)
-            bound = next(numbers) if mass is not None else math.inf
-            if not math.isfinite(total):
-                if first_infinite:  # the ops after it only pass it on
-                    self.report_rule(call, "hands on NaN or infinite relevance (the first op that does)")
-                first_infinite = False
-            elif abs(total) > (1 + CONSERVATION_MARGIN) * bound + 1e-12:
-                self.report_rule(call, f"created relevance: it handed on {total:.6g}, more than the {bound:.6g} "
-                                       "that arrived (in absolute value)")
-            elif total == 0 and 0 < bound < math.inf:
-                self.report_rule(call, f"dropped all the relevance that arrived ({bound:.6g} in absolute value)")
-
-    def report_rule(self, call: OpCall, problem: str) -> None:
-        """A rule's relevance cannot be right: warn once per op (raise in strict mode)."""
-        message = f"relprop: {call.describe()} with rule {call.rule!r} {problem}"
-        if self.strict:
-            raise UnsupportedOpError(message)
-        if message not in self.unhandled:
-            self.unhandled.append(message)
-            warnings.warn(message, ConservationWarning, stacklevel=2)
-
     def unknown(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """An op without a rule: its plain gradient, reported if relevance flows through it."""
         call = self.record(OpKind.UNKNOWN, func, args, kwargs)
@@ -345,13 +336,55 @@ class Session(TorchFunctionMode):
         # several outputs: run on the model's graph and report where relevance enters
         return watch(call.call_with(func, call.activations), lambda relevance: self.report(call.describe(), relevance))
 
-    def report(self, description: str, relevance: Tensor, gradient: bool = True) -> None:
+    def custom_functions(self, args: tuple | list, module_name: str) -> None:
+        """Give every custom autograd Function whose output is among ``args`` its rule, once (a hook on its node).
+
+        The Function's forward is not intercepted as one op (see :func:`_custom_function`); its output is seen
+        when the module that applied it returns it or, once an op has read activations with gradients off (as
+        the ops of a Function's forward do), when the first op reads it. ``module_name``: the module that applied
+        it (for an op, the module of the last op that ran with gradients off).
+        """
+        for value in args:
+            if not isinstance(value, Tensor):
+                if type(value) in (list, tuple):
+                    self.custom_functions(value, module_name)
+                continue
+            node = value.grad_fn
+            if node is None or (function := _custom_function(type(node))) is None or hasattr(node, "_relprop_seen"):
+                continue
+            setattr(node, "_relprop_seen", True)  # a Function's node is its ctx: it takes attributes
+            rule = self.composite.function_rule(function)
+            call = FunctionCall(function, module_name, rule if rule is not None else _Unhandled(self))
+            node.register_hook(functools.partial(self._custom_backward, call))
+
+    def _custom_backward(self, call: FunctionCall, grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
+        """The relevance crossing a custom Function: its rule's, or its own backward's (reported)."""
+        arriving = [g for g in grad_outputs if g is not None]
+        if not arriving:
+            return None
+        relevance = arriving[0] if len(arriving) == 1 else torch.cat([g.reshape(-1) for g in arriving])
+        result = tuple(grad_inputs)
+        if isinstance(call.rule, Pass):
+            slots = [i for i, g in enumerate(grad_inputs) if g is not None]
+            if len(slots) != 1 or len(arriving) != 1 or not broadcasts_to(grad_inputs[slots[0]].shape, relevance.shape):
+                raise RuleError(f"relprop: rule {call.rule!r} (func_map entry) cannot apply to {call.describe()}: "
+                                "it needs one differentiable input and one output that sums back to its shape")
+            result = tuple(sum_to(relevance, g.shape) if g is not None else None for g in grad_inputs)
+        elif isinstance(call.rule, _Unhandled):
+            self.report(call.describe(), relevance, consequence="its own backward was used as its gradient")
+        observe = self._observe if self.guard else self.audit
+        if observe is not None:
+            observe(call, relevance, result)
+        return result if isinstance(call.rule, Pass) else None
+
+    def report(self, description: str, relevance: Tensor, gradient: bool = True, consequence: str | None = None) -> None:
         """Relevance reached an op without a rule: warn once (raise in strict mode).
 
         ``gradient``: whether the op's plain gradient carries the relevance on; else it stops there.
+        ``consequence``: what became of the relevance, if neither.
         """
-        consequence = ("its plain gradient was used" if gradient else
-                       "it has no gradient either, so the relevance stops there")
+        consequence = consequence or ("its plain gradient was used" if gradient else
+                                      "it has no gradient either, so the relevance stops there")
         if self.strict:
             raise UnsupportedOpError(f"relprop: no rule for {description}; {consequence} (strict mode)")
         if description not in self.unhandled:
@@ -375,6 +408,12 @@ class Session(TorchFunctionMode):
                 return func(*args, **kwargs)
             with torch.no_grad():
                 return _constant_output(func(*args, **kwargs), args)
+        if not torch.is_grad_enabled():
+            # an op on activations with gradients off: in a custom Function's forward (or a no_grad block); from
+            # here on, the ops look for custom Functions' outputs among their arguments
+            self._custom, self._applied_in = True, self.module_name
+        if self._custom:
+            self.custom_functions(args, self._applied_in)
         try:
             if handler is None:
                 return self.unknown(func, args, kwargs)

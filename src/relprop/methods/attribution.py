@@ -247,7 +247,7 @@ class LRP(Attribution):
             # the model sees copies, so that in-place ops on its inputs are allowed
             output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra, **keywords)
         embeddings = {_position(leaves, tokens[i]): found for i, found in session.embeddings.items()}
-        return ForwardPass(leaves, model_logits(output), embeddings, reusable)
+        return ForwardPass(leaves, model_logits(output), embeddings, reusable, session if self.guard else None)
 
     @_eager
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,
@@ -330,12 +330,14 @@ class ForwardPass:
     """
 
     def __init__(self, inputs: tuple[Tensor, ...], logits: Tensor, embeddings: dict[int, list[Tensor]],
-                 reusable: bool = False):
+                 reusable: bool = False, session: Session | None = None):
         self.inputs = inputs
         self.logits = logits
         #: whether it carries relevance any number of times (see :meth:`LRP.record`)
         self.reusable = reusable
         self._embeddings = embeddings
+        #: the session that recorded the pass, if its guard checks the relevance's account (Session.check_pass)
+        self._session = session
 
     @_eager
     def relevance(self, seed: Tensor) -> tuple[Tensor, ...]:
@@ -345,8 +347,16 @@ class ForwardPass:
         if (explained or embedded) and not self.logits.requires_grad:
             raise RuntimeError("relprop: the model output does not depend on the inputs through autograd: the model "
                                "detached it, or computed it under torch.no_grad()")
-        grads = iter(torch.autograd.grad(self.logits, explained + embedded, seed, allow_unused=True,
-                                         retain_graph=self.reusable) if explained or embedded else ())
+        session = self._session
+        if not self.reusable:
+            self._session = None
+        if session is not None and (explained or embedded):
+            session.defer_check()  # checked below with the seed and the inputs' relevance, in one read
+        found = (torch.autograd.grad(self.logits, explained + embedded, seed, allow_unused=True,
+                                     retain_graph=self.reusable) if explained or embedded else ())
+        if session is not None and (explained or embedded):
+            session.check_pass(seed, [g for g in found if g is not None])
+        grads = iter(found)
         by_leaf = {id(leaf): next(grads) for leaf in explained + embedded}
         relevance = []
         for index, x in enumerate(self.inputs):

@@ -71,6 +71,8 @@ class _DeepLiftSession(Session):
     the overwritten memory when its rule is not ``Pass``).
     """
 
+    accounts = False  # multipliers flow backward, not relevance: their totals are no account
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: ops met whose handling is not exact for differences, with their module paths

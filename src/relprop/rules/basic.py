@@ -109,6 +109,11 @@ class BasicRule(Rule[ParametricView]):
     def zero_for_zero_input(self, value: bool) -> None:
         self._zero_for_zero_input = value
 
+    @property
+    def fills_zeros(self) -> bool:  # a flag that follows the terms
+        """Whether an input of 0 may get relevance of its own (see :attr:`zero_for_zero_input`)."""
+        return not self.zero_for_zero_input
+
     def propagate(self, call: ParametricView, relevance: Tensor) -> tuple[Tensor]:
         if self._kernel is not None:
             fast = self._kernel(call, relevance)

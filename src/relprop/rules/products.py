@@ -154,6 +154,10 @@ class SignalTakesAll(Rule[Call]):
         (none is a gate). Never may all of it vanish.
         """
         factors = call.factors
+        if call.matrix and "softmax" in factors and any(factor != "softmax" for factor in factors):
+            # attention weights times values: the values are no gate, even where a sigmoid made them (timm's
+            # iformer), as in a fused attention
+            return tuple(factor == "softmax" and factor in self.gate_kinds for factor in factors)
         gates = tuple(factor in self.gate_kinds for factor in factors)
         if len(gates) > 1 and all(gates):
             gates = tuple(factor != "activation" for factor in factors)

@@ -93,6 +93,10 @@ class SmoothStride(AsFunction):
             return is_parametric(call) and self.rule.accepts(call)
         return call.arguments is not None
 
+    @property
+    def fills_zeros(self) -> bool:
+        return not self.zero_for_zero_input
+
     def conserves(self, call: Call) -> bool:
         if call.kind == "maxpool":
             return True
