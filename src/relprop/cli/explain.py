@@ -282,9 +282,11 @@ def evaluate(images: tuple[str, ...], model: str, weights: str | None, random_we
 
     paths = readable_images(images, channels)
     network = load_model(model, weights, random_weights)
+    normalize = normalize or NAMED_NORMALIZATION.get(model)
     inputs, _ = load_images(paths, size, normalize, channels, whole)
     target = torch.tensor(_targets(None, predict(network, inputs)))
-    explainers: dict[str, Any] = {f"LRP {preset}": LRP(network, _composite(preset, normalize, channels)),
+    composite, preset = _model_composite(model, preset, normalize, channels)
+    explainers: dict[str, Any] = {f"LRP {preset}": LRP(network, composite),
                                   "Gradient": methods.InputGradient(network),
                                   "Integrated Gradients": methods.IntegratedGradients(network)}
     curves = {}
