@@ -30,7 +30,7 @@ import torch
 import torchvision
 
 from relprop import output_relevance
-from relprop.cli import demo
+from relprop.workflows import mnist as demo
 from relprop.workflows.concepts import reference_samples
 from relprop.workflows.dataset import _barrier, _distributed, _run_shards, batch_inputs, explain_dataset, fingerprint
 

@@ -330,10 +330,10 @@ def test_unknown_op_on_the_path_is_reported_with_its_module():
 def test_record_then_relevance_is_attribute():
     model, x = residual_net(), images()
     lrp = relprop.LRP(model, "epsilon-plus")
-    explained = lrp.record(x)
+    explained = lrp.record(x, reusable=False)
     assert torch.equal(explained.logits, model(x))
     target = explained.logits.argmin(1)  # a seed chosen after seeing the output
     (relevance,) = explained.relevance(relprop.output_relevance(explained.logits, target))
     torch.testing.assert_close(relevance, lrp.attribute(x, target=target), rtol=1e-12, atol=1e-14)
-    with pytest.raises(RuntimeError, match="crosses a recorded forward pass once"):
+    with pytest.raises(RuntimeError, match="crosses this recorded forward pass once"):
         explained.relevance(relprop.output_relevance(explained.logits, target))

@@ -434,9 +434,22 @@ def test_func_map_refuses_what_it_cannot_reach():
         _lrp(net, x, 0, Composite(func_map={F.relu: rules.Epsilon()}))
 
 
+class _Map:
+    """The relevance a run of ``relprop explain`` drew (its pictures' titles name the options, so not their bytes)."""
+
+    def __init__(self, relevance):
+        self.relevance = relevance
+
+    def read_bytes(self):
+        return self.relevance.numpy().tobytes()
+
+
 def _explain_cli(tmp_path, name, *options):
+    from unittest import mock
+
     from PIL import Image
 
+    from relprop import viz
     from relprop.cli import main
 
     picture = tmp_path / "digit.png"
@@ -444,9 +457,17 @@ def _explain_cli(tmp_path, name, *options):
         pixels = torch.zeros(28, 28, dtype=torch.uint8)
         pixels[5:23, 12:16], pixels[8:12, 4:24] = 255, 200
         Image.fromarray(pixels.numpy()).save(picture)
-    code = main(["explain", str(picture), "--model", "cli_factory:small_cnn", "--size", "28", "--channels", "1",
-                 "--preset", "epsilon", "--target", "3", "--out", str(tmp_path / name), *options])
-    return code, tmp_path / name / "digit_relevance.png"
+    drawn = []
+    original = viz.save_explanation
+
+    def record(relevance, path, **kwargs):
+        drawn.append(torch.as_tensor(relevance).clone())
+        return original(relevance, path, **kwargs)
+
+    with mock.patch.object(viz, "save_explanation", record):
+        code = main(["explain", str(picture), "--model", "cli_factory:small_cnn", "--size", "28", "--channels", "1",
+                     "--preset", "epsilon", "--target", "3", "--out", str(tmp_path / name), *options])
+    return code, _Map(drawn[0] if drawn else torch.zeros(0))
 
 
 def strided_net() -> nn.Module:

@@ -87,8 +87,10 @@ def test_softmax_and_max_pooling_calls_carry_their_fields():
 
 def test_fields_of_other_kinds_have_declared_defaults():
     call = OpCall(OpKind.ELEMENTWISE, torch.tanh, (_activation(3),), {}, "torch.tanh", "")
-    assert (call.is_first, call.factors, call.matrix, call.in_place, call.overwrites, call.prepared) == (
+    assert (call.is_first, call.factors, call.matrix, call.in_place, call.overwrites, call.kept_output) == (
         False, (), False, False, None, None)
+    with pytest.raises(RuntimeError, match="reads call.prepared, but its prepare returned nothing"):
+        call.prepared  # nothing prepared it: a rule that reads it is told so
 
 
 @pytest.mark.parametrize("func, names, kwargs, factors", [

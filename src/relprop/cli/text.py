@@ -35,7 +35,8 @@ def _language_model(name: str) -> tuple[torch.nn.Module, object]:
               help="smollm2 (SmolLM2-135M-Instruct, shipped offline), or a local Hugging Face model folder.")
 @click.option("--max-new-tokens", type=click.IntRange(1, 512), default=16, help="Tokens to generate (greedy).")
 @click.option("--continuation", default=None, help="Explain this text after the prompt instead of generating.")
-@click.option("--preset", type=click.Choice(["attnlrp", "cp-lrp"]), default="attnlrp")
+@click.option("--preset", type=click.Choice(["attnlrp", "cp-lrp"]), default="attnlrp",
+              help="AttnLRP, or CP-LRP (attention weights and gates held constant).")
 @out_option()
 def explain_text(prompt: str, model: str, max_new_tokens: int, continuation: str | None, preset: str,
                  out: Path) -> None:
