@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from relprop import composites
-from relprop.methods._inputs import as_tuple
+from relprop.methods._inputs import forward_arguments, tile_arguments
 from relprop.methods.attribution import LRP
 from relprop.methods.targets import model_logits
 
@@ -192,7 +192,7 @@ class BiLRP:
 
         A callable ``embed`` runs once more on its first call, to find its modules.
         """
-        args, kwargs = _arguments(additional_forward_args)
+        args, kwargs = forward_arguments(additional_forward_args)  # under no_grad: detached or not, the same
         with torch.no_grad():
             if self._module is None:
                 with _outermost_modules() as found:
@@ -337,23 +337,16 @@ def _repeat(x: Tensor, copies: int) -> Tensor:
     return x.repeat(copies, *([1] * (x.dim() - 1)))
 
 
-def _arguments(value: Any) -> tuple[tuple, dict]:
-    if isinstance(value, Mapping):
-        return (), dict(value)
-    return as_tuple(value), {}
-
-
 def _repeat_extra(value: Any, copies: int, batch: int) -> Any:
     """``additional_forward_args`` with every tensor repeated like the inputs (they must be batch first)."""
-    def repeated(item: Any, where: str) -> Any:
-        if not isinstance(item, Tensor):
-            return item
-        if item.dim() == 0 or item.shape[0] != batch:
+    positional, keywords = forward_arguments(value)
+    named = [*((f"argument {index}", item) for index, item in enumerate(positional)),
+             *((f"argument {key!r}", item) for key, item in keywords.items())]
+    for where, item in named:
+        if isinstance(item, Tensor) and (item.dim() == 0 or item.shape[0] != batch):
             raise ValueError(f"relprop: BiLRP repeats the tensors of additional_forward_args with the inputs, so they "
                              f"must be batch first; {where} has shape {tuple(item.shape)} for a batch of {batch}")
-        return _repeat(item, copies)
     if value is None:
         return None
-    if isinstance(value, Mapping):
-        return {key: repeated(item, f"argument {key!r}") for key, item in value.items()}
-    return tuple(repeated(item, f"argument {index}") for index, item in enumerate(as_tuple(value)))
+    positional, keywords = tile_arguments((positional, keywords), batch, copies)
+    return keywords if isinstance(value, Mapping) else positional
