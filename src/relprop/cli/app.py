@@ -13,8 +13,6 @@ import torch
 
 from relprop import __version__, composites, rules
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 #: The extra that installs each optional package, for the message when one is missing.
 EXTRAS = {"torchvision": "vision", "PIL": "vision", "matplotlib": "vision", "tqdm": "vision", "numpy": "vision",

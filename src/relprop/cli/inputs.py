@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from relprop import composites
-from relprop.cli.app import IMAGENET_MEAN, IMAGENET_STD, CommandError
+from relprop.cli.app import CommandError
 from relprop.methods.targets import model_logits
 
 
@@ -229,13 +229,13 @@ def readable_images(paths: Sequence[str], channels: int) -> list[str]:
 
 
 def _normalization(normalize: str | None, channels: int) -> tuple[Tensor, Tensor]:
-    if normalize == "inception":  # pixels to [-1, 1], as models converted from TensorFlow expect
-        return torch.full((1, channels, 1, 1), 0.5), torch.full((1, channels, 1, 1), 0.5)
-    if normalize == "imagenet" or normalize is None and channels == 3:
-        if channels != 3:
-            raise CommandError("--normalize imagenet needs --channels 3; use --normalize none")
-        return torch.tensor(IMAGENET_MEAN).reshape(1, 3, 1, 1), torch.tensor(IMAGENET_STD).reshape(1, 3, 1, 1)
-    return torch.zeros(1, channels, 1, 1), torch.ones(1, channels, 1, 1)
+    """``--normalize``'s mean and std (:data:`relprop.composites.NORMALIZATIONS`), each shaped ``(1, C, 1, 1)``."""
+    name = normalize or ("imagenet" if channels == 3 else "none")
+    mean, std = composites.NORMALIZATIONS[name]
+    if len(mean) not in (1, channels):
+        raise CommandError(f"--normalize {name} needs --channels {len(mean)}; use --normalize none")
+    return (torch.tensor(mean).expand(channels).reshape(1, channels, 1, 1),
+            torch.tensor(std).expand(channels).reshape(1, channels, 1, 1))
 
 
 def crops(normalize: str | None, channels: int, whole: bool | None) -> bool:
