@@ -87,8 +87,9 @@ def test_smooth_stride_closed_form(size):
     assert plain[..., 4, 6].abs().sum() > 0 and plain[..., 5, 7].abs().sum() == 0
 
 
-@pytest.mark.parametrize("rule", [None, rules.ZPlus(), rules.AlphaBeta(2.0, 1.0), rules.Gamma(0.25)],
-                         ids=["epsilon", "zplus", "alphabeta", "gamma"])
+@pytest.mark.parametrize("rule", [None, rules.ZPlus(), rules.AlphaBeta(2.0, 1.0), rules.Gamma(0.25),
+                                  rules.Gamma(0.25, zero_bias=True)],
+                         ids=["epsilon", "zplus", "alphabeta", "gamma", "gamma-zero-bias"])
 @pytest.mark.parametrize("stride", [2, (2, 3)])
 def test_smooth_stride_is_the_rule_of_the_block_average_convolution(rule, stride):
     """SmoothStride(rule) on a 1x1 conv = rule on the conv with a stride x stride kernel of weight / stride^2."""

@@ -52,6 +52,7 @@ def reference(rule, a, W, b, R, low=None, high=None):
     if isinstance(rule, rules.Gamma):
         g = rule.gamma
         up, down = W + g * Wp, W + g * Wn
+        b = torch.zeros_like(b) if rule.zero_bias else b  # also out of the z whose sign picks the group
         z = a @ W + b
         sp = divide(R * (z > 0), stabilize(ap @ up + an @ down + b + g * b.clamp(min=0), rule.stabilizer))
         sn = divide(R * (z < 0), stabilize(ap @ down + an @ up + b + g * b.clamp(max=0), rule.stabilizer))
@@ -99,6 +100,7 @@ RULES = {
     "gamma": rules.Gamma(0.5, stabilizer=1e-3),
     "gamma-unstabilised": rules.Gamma(0.5, stabilizer=0.0),
     "gamma0": rules.Gamma(0.0, stabilizer=1e-3),
+    "gamma-zero-bias": rules.Gamma(0.5, stabilizer=1e-3, zero_bias=True),
     "flat": rules.Flat(),
     "wsquare": rules.WSquare(),
 }
@@ -203,6 +205,49 @@ def test_rule_matches_matrix_form_where_an_output_is_exactly_zero(rule_name, sig
     for example in range(2):
         expected = reference(rule, x[example], W, b, R[example])
         torch.testing.assert_close(attributed[example], expected, rtol=1e-10, atol=1e-12)
+
+
+class _Reference(rules.Rule):
+    """``rule``'s reference form (BasicRule.reference) on every conv/dense call, whatever form the rule takes."""
+
+    kinds = rules.PARAMETRIC_KINDS
+
+    def __init__(self, rule):
+        self.rule = rule
+
+    def propagate(self, call, relevance):
+        return (self.rule.reference(call, relevance),)
+
+
+@pytest.mark.parametrize("form", ["rule", "reference"])
+@pytest.mark.parametrize("sign", ["signed", "nonnegative"])
+@pytest.mark.parametrize("layer_name", ["linear", "conv2d", "conv2d+batch_norm"])
+def test_gamma_without_bias_picks_its_group_by_the_bias_free_output(layer_name, sign, form):
+    """Gamma(zero_bias=True) shares by the sign of z - b, its terms' own sum, also where the bias flips z's sign.
+
+    By the biased sign it divided by a bias-free sum of the other sign, or near 0 (-7e30 at the pixels of
+    EfficientNet-Lite0). "rule" is whichever form the rule takes on the call (fused where a kernel serves it).
+    """
+    torch.manual_seed(3)
+    make, in_shape = LAYERS[layer_name]
+    layer = make(True).double().eval()
+    with torch.no_grad():  # large enough to outweigh the inputs' part of many outputs, of both signs
+        bias = _layer_bias(layer)
+        bias.copy_(2.0 * (-1.0) ** torch.arange(len(bias)))
+    x = torch.randn(2, *in_shape, dtype=torch.float64)
+    if sign == "nonnegative":
+        x = x.relu()
+    W, b = matrix_form(layer, in_shape)
+    flat = x.flatten(1)
+    assert (torch.sign(flat @ W + b) != torch.sign(flat @ W)).sum() >= 4, "the bias flips some outputs' sign"
+    rule = rules.Gamma(0.25, stabilizer=1e-6, zero_bias=True)
+    used = rule if form == "rule" else _Reference(rule)
+    out = layer(x)
+    R = torch.randn_like(out)
+    attributed = relprop.LRP(layer, relprop.Composite(conv=used, dense=used)).attribute(x, target=R)
+    for example in range(2):
+        expected = reference(rule, flat[example], W, b, R[example].flatten())
+        torch.testing.assert_close(attributed[example].flatten(), expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("bounds", ["per-channel", "scalar", "per-position"])

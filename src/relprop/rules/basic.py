@@ -57,10 +57,11 @@ class BasicRule(Rule[ParametricView]):
     ----------
     terms : sequence of Term
     gradient_mapper : callable ``(relevance, outputs, z) -> list[Tensor]``
-        ``z`` is the op's output; None where the rule does not keep it (a :class:`Shares` that reads no output).
+        ``z`` is the op's output, less its bias with ``zero_bias``; None where the rule does not keep it (a
+        :class:`Shares` that reads no output).
     reducer : callable ``(inputs, grads) -> Tensor``, optional
     zero_bias : bool
-        Drop the bias from every term.
+        Drop the bias from every term, and from the output that the mapper reads.
     """
 
     kinds = PARAMETRIC_KINDS
@@ -143,7 +144,7 @@ class BasicRule(Rule[ParametricView]):
             return torch.zeros_like(x)
         shape = next(out for out in outputs if out is not None)
         full = [torch.zeros_like(shape) if out is None else out for out in outputs]
-        mapped = self._gradient_mapper(relevance, full, call.output if self.needs_output else None)
+        mapped = self._gradient_mapper(relevance, full, self._output(call))
         found = torch.autograd.grad([full[i] for i in live], [inputs[i] for i in live], [mapped[i] for i in live])
         grads = [torch.zeros_like(x) for x in inputs]
         for i, grad in zip(live, found):
@@ -154,6 +155,18 @@ class BasicRule(Rule[ParametricView]):
         for modified, grad in zip(inputs[1:], grads[1:]):
             total = total + modified * grad
         return total
+
+    def _output(self, call: ParametricView) -> Tensor | None:
+        """The output the mapper reads: with ``zero_bias`` less the bias, the terms' own output.
+
+        A Gamma group chosen by the sign of the biased output would divide by a
+        bias-free sum of the other sign, or near 0, where the bias flips the sign.
+        """
+        if not self.needs_output:
+            return None
+        if self.zero_bias and call.bias is not None:
+            return call.output - call.bias_term()
+        return call.output
 
 
 class ZPlus(BasicRule):
@@ -188,7 +201,9 @@ class Gamma(BasicRule):
     Where ``z > 0`` the relevance is shared by ``x+ (w + gamma w+)`` and
     ``x- (w + gamma w-)`` (bias ``b + gamma b+``); where ``z < 0`` by ``x+ (w +
     gamma w-)`` and ``x- (w + gamma w+)`` (bias ``b + gamma b-``). On
-    non-negative inputs this is the original gamma rule.
+    non-negative inputs this is the original gamma rule. With ``zero_bias``
+    ``z`` is the output less the bias (zennit's ``Gamma(zero_params='bias')``
+    takes the sign of the biased output).
     """
 
     def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_bias: bool = False):

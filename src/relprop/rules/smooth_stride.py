@@ -207,7 +207,7 @@ class _SmoothedConv:
     an op call: a convolution (depthwise with an averaging kernel for max pooling).
 
     It offers what the term form of a :class:`BasicRule` reads (``inputs``,
-    ``weight``, ``bias``, ``evaluate``, ``output``); ``weight`` is the op's
+    ``weight``, ``bias``, ``evaluate``, ``output``, ``bias_term``); ``weight`` is the op's
     own, and :meth:`evaluate` smooths whatever weight a rule gives it, so that
     the rule's modifiers act before the box. It is not transposable, so the
     fused forms do not apply.
@@ -243,6 +243,11 @@ class _SmoothedConv:
     def output(self) -> Tensor:
         with torch.no_grad():
             return self.evaluate(self.call.inputs[0], self.weight, self.bias)
+
+    def bias_term(self) -> Tensor:
+        """The bias, shaped to broadcast against the output (a rule with ``zero_bias`` takes it off the output)."""
+        assert self.bias is not None  # called where there is a bias
+        return self.bias.reshape(-1, *(1,) * len(self.window.kernel))
 
     def evaluate(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """The convolution with ``weight`` smoothed (:func:`_boxed`): output n reads ``x[s n - p : s n - p + k+s-1]``.
