@@ -212,11 +212,23 @@ def build_transformer(name: str, hidden: int | None = None,
 def transformer_case(name: str, batch: int, length: int, device: str, dtype: torch.dtype = torch.float32,
                      hidden: int | None = None, layers: int | None = None
                      ) -> tuple[Any, torch.Tensor, int | tuple[int, int], Callable[[], torch.Tensor]]:
-    """The model on ``device`` in ``dtype``, random token ids, the target, and its plain forward + backward."""
-    model, target = build_transformer(name, hidden, layers)
-    model = model.to(device, dtype)
-    torch.manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+    """The model on ``device`` in ``dtype``, token ids, the target, and its plain forward + backward.
+
+    ``smollm2`` is the real SmolLM2-135M-Instruct (``llm.py``'s prompt of ``length`` tokens and the logit of
+    its greedy answer; ``hidden`` and ``layers`` do not apply); the other names are built from their configs,
+    with random token ids.
+    """
+    if name == "smollm2":
+        import llm  # the real model's loader and prompt: only where it is asked for
+        model, tokenizer = llm.load_smollm2()
+        model = model.to(device, dtype)
+        ids = llm.prompt_ids(tokenizer, length).expand(batch, -1).to(device)
+        target: int | tuple[int, int] = (-1, llm.target_of(model, ids[:1]))
+    else:
+        model, target = build_transformer(name, hidden, layers)
+        model = model.to(device, dtype)
+        torch.manual_seed(1)
+        ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
 
     def gradient() -> torch.Tensor:
         """Forward and backward to the input embeddings: the gradient, as LXT's attributions start from."""
@@ -486,7 +498,8 @@ def print_lxt(args: argparse.Namespace, dtype: torch.dtype) -> None:
         name, hidden, layers = spec.split(":")
         found = lxt_side_by_side(name, int(hidden), int(layers), args.lxt_tokens, args.rounds, args.device, dtype,
                                  args.lxt_python)
-        print(f"| {name}, hidden {hidden}, {layers} layers | {found['gradient'] * 1e3:.1f} | "
+        label = "SmolLM2-135M-Instruct" if name == "smollm2" else f"{name}, hidden {hidden}, {layers} layers"
+        print(f"| {label} | {found['gradient'] * 1e3:.1f} | "
               f"{found['relprop'] * 1e3:.1f} | {found['lxt'] * 1e3:.1f} | {ratio(found['relprop'], found['lxt'])} | "
               f"{ratio(found['lxt'], found['gradient'])} | {found['relprop / lxt']:.1e} | "
               f"{found['relprop here / there']:.1e} |", flush=True)
@@ -518,7 +531,8 @@ def main() -> None:
                         help="the Python that has lxt installed (with --with lxt)")
     parser.add_argument("--lxt-models", nargs="+", default=["llama:256:4", "bert:256:4", "llama:1024:4",
                                                             "bert:1024:4"],
-                        help="NAME:HIDDEN:LAYERS of the models compared with LXT")
+                        help="NAME:HIDDEN:LAYERS of the models compared with LXT (smollm2:0:0: the real "
+                             "SmolLM2-135M-Instruct, llm.py's prompt)")
     parser.add_argument("--lxt-tokens", type=int, default=128)
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (one subprocess each)")
     parser.add_argument("--allocations", action="store_true",

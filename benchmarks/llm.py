@@ -6,7 +6,13 @@ Methods, for the logit of one token at the last position of a prompt of ``--toke
 * ``attnlrp``: ``relprop.LRP(model, "attnlrp").attribute(ids, target=(-1, t))``, fused attention explained
   through the fused kernel's own backward (``relprop.rules.products.attention_relevance``);
 * ``attnlrp-recomputed``: the same with the previous rule, which recomputes ``softmax(q k^T)`` per head
-  (``recomputed_attention_relevance``, bitwise the rule of main before the fused path).
+  (``recomputed_attention_relevance``).
+
+``--generation G``: explaining ``G`` generated tokens, ``relprop.explain_generation(model, prompt,
+continuation=...)`` (one recorded forward pass, one seed per token) against what a gradient pays for the same:
+one forward pass with gradients over the whole sequence and ``G`` backward passes, one per generated token's
+logit (``retain_graph``). The continuation is the model's greedy one, generated once beforehand, so neither
+side's time includes ``generate``.
 
 Times: all methods in one process, interleaved round by round after a warm-up, medians. Peak memory
 (``--memory``): one fresh subprocess per method and length; the model loaded and each method run once on 16
@@ -70,6 +76,28 @@ def method(name: str, model: Any) -> Callable[[torch.Tensor, int], torch.Tensor]
     return attnlrp
 
 
+def generation_runs(model: Any, tokenizer: Any, tokens: int, generated: int
+                    ) -> dict[str, Callable[[], object]]:
+    """Explaining ``generated`` greedy tokens after a prompt of ``tokens`` tokens, and a gradient's share of it."""
+    prompt = prompt_ids(tokenizer, tokens)
+    with torch.no_grad():
+        sequence = model.generate(prompt, max_new_tokens=generated, min_new_tokens=generated, do_sample=False,
+                                  pad_token_id=tokenizer.eos_token_id)
+    embedding = model.get_input_embeddings()
+
+    def gradients() -> list[torch.Tensor]:
+        embeds = embedding(sequence[:, :-1]).detach().requires_grad_()
+        logits = model(inputs_embeds=embeds).logits[0]
+        picked = logits[torch.arange(tokens - 1, sequence.shape[1] - 1), sequence[0, tokens:]]
+        return [torch.autograd.grad(logit, embeds, retain_graph=g < generated - 1)[0].sum(-1)
+                for g, logit in enumerate(picked)]
+
+    def explained() -> torch.Tensor:
+        return relprop.explain_generation(model, prompt, continuation=sequence[:, tokens:]).relevance
+
+    return {"gradient": gradients, "attnlrp": explained}
+
+
 def target_of(model: Any, ids: torch.Tensor) -> int:
     with torch.no_grad():
         return int(model(ids, logits_to_keep=1).logits[0, -1].argmax())
@@ -90,6 +118,21 @@ def timings(model: Any, tokenizer: Any, tokens: int, rounds: int, which: list[st
         print(f"  {tokens} tokens, round {index + 1}/{rounds}: "
               + ", ".join(f"{name} {times[name][-1]:.1f} s" for name in which), file=sys.stderr, flush=True)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def generation_cost(model: Any, tokenizer: Any, tokens: int, generated: int, rounds: int) -> None:
+    """Print explaining a generation against its gradients' forward and backward passes (medians, interleaved)."""
+    runs = generation_runs(model, tokenizer, tokens, generated)
+    for run in runs.values():  # warm-up
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    gradient, attnlrp = (statistics.median(times[name]) for name in ("gradient", "attnlrp"))
+    print(f"| {tokens} + {generated} | {gradient:.2f} | {attnlrp:.2f} | {attnlrp / gradient:.2f} |", flush=True)
 
 
 def _status(field: str) -> int:
@@ -131,12 +174,24 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="also peak memory (one subprocess each)")
     parser.add_argument("--no-time", action="store_true",
                         help="no timed rounds: peak memory, and the time of that one run in each measurement process")
+    parser.add_argument("--generation", type=int, metavar="G",
+                        help="instead: explaining G generated tokens after each prompt length, against one forward "
+                             "and G backward passes of a gradient")
     parser.add_argument("--memory-child", nargs=2, metavar=("METHOD", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
         memory_child(args.memory_child[0], int(args.memory_child[1]))
         return
     model, tokenizer = (None, None) if args.no_time else load_smollm2()  # --no-time: the model in the children only
+    if args.generation:
+        print(f"SmolLM2-135M-Instruct, float32, {torch.get_num_threads()} thread(s), torch {torch.__version__}; "
+              f"median of {args.rounds} interleaved rounds after a warm-up\n")
+        print("| prompt + generated tokens | forward + G backward passes of a gradient (s) | "
+              "explain_generation (s) | ratio |")
+        print("| --- | --- | --- | --- |")
+        for tokens in args.tokens:
+            generation_cost(model, tokenizer, tokens, args.generation, args.rounds)
+        return
     timed = "one run each, in its measurement process" if args.no_time else (
         f"median of {args.rounds} interleaved rounds after a warm-up")
     print(f"SmolLM2-135M-Instruct, float32, {torch.get_num_threads()} thread(s), torch {torch.__version__}; "

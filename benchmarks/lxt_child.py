@@ -57,11 +57,11 @@ def load_lxt() -> tuple[types.ModuleType, types.ModuleType]:
 
 
 def lxt_patches(name: str, model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
-    """LXT's AttnLRP patches for ``model`` (a Llama or BERT of transformers 5.x): (owner, attribute, value)."""
+    """LXT's AttnLRP patches for ``model`` (a Llama, SmolLM2 or BERT of transformers 5.x): (owner, attribute, value)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     rules, patches = load_lxt()
-    if name == "llama":
+    if name in ("llama", "smollm2"):
         from transformers.models.llama import modeling_llama as modeling
         found = [(modeling.LlamaMLP, "forward", patches.gated_mlp_forward),
                  (modeling.LlamaRMSNorm, "forward", patches.rms_norm_forward)]

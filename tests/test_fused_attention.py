@@ -20,6 +20,7 @@ import relprop
 from relprop._core.sdpa import attention_weights, head_groups, repeat_heads
 from relprop.rules import products
 from relprop.rules.products import attention_relevance, recomputed_attention_relevance
+from relprop.rules.stabilizers import inverse_denominator
 
 QKV = ("query", "key", "value")
 CASES = {
@@ -64,7 +65,27 @@ def attention_call(B=2, H=4, Hk=None, L=7, S=None, d=5, mask=None, roles=QKV, dt
     parts = {"query": randn(B, H, L, d), "key": randn(B, Hk, S, d), "value": randn(B, Hk, S, d),
              "attn_mask": attn_mask, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False,
              **options}
-    return SimpleNamespace(parts=parts, roles=tuple(roles))
+    return as_engine_hands_it(parts, tuple(roles))
+
+
+def as_engine_hands_it(parts: dict, roles: tuple[str, ...], epsilon: float = 1e-6) -> SimpleNamespace:
+    """The call as a rule reads it: ``inputs``, ``prepared`` (``1 / (z + eps sign z)``) and the kernel's VJP.
+
+    The VJP is the backward of the kernel run without dropout on leaves for the activation arguments, as the
+    engine keeps it from the forward pass.
+    """
+    leaves = {role: parts[role].detach().requires_grad_() for role in roles}
+    tensors = {key: leaves.get(key, parts[key]) for key in ("query", "key", "value", "attn_mask")}
+    with torch.enable_grad():
+        out = F.scaled_dot_product_attention(tensors["query"], tensors["key"], tensors["value"],
+                                             attn_mask=tensors["attn_mask"], is_causal=parts["is_causal"],
+                                             scale=parts["scale"], enable_gqa=parts["enable_gqa"])
+
+    def vjp(grad):
+        return torch.autograd.grad(out, [leaves[role] for role in roles], grad, retain_graph=True)
+
+    return SimpleNamespace(parts=parts, roles=roles, inputs=tuple(parts[role] for role in roles), vjp=vjp,
+                           prepared=inverse_denominator(out.detach(), epsilon))
 
 
 def relevance_of(call: SimpleNamespace, seed: int = 1) -> torch.Tensor:
@@ -79,8 +100,8 @@ def relevance_of(call: SimpleNamespace, seed: int = 1) -> torch.Tensor:
 def test_the_fused_backward_equals_the_recomputed_rules(case, values_only):
     call = attention_call(**CASES[case])
     relevance = relevance_of(call)
-    fused = attention_relevance(call, relevance, 1e-6, values_only)
-    recomputed = recomputed_attention_relevance(call, relevance, 1e-6, values_only)
+    fused = attention_relevance(call, relevance, values_only)
+    recomputed = recomputed_attention_relevance(call, relevance, values_only)
     assert len(fused) == len(recomputed) == len(call.roles)
     for role, a, b in zip(call.roles, fused, recomputed):
         assert (a is None) == (b is None), role
@@ -99,10 +120,10 @@ def test_attnlrp_shares_of_the_fused_backward():
     z = F.scaled_dot_product_attention(*leaves, is_causal=True)
     grads = torch.autograd.grad(z, leaves, relevance / (z.detach() + 1e-6 * torch.where(z >= 0, 1.0, -1.0)))
     q, k, v = (x.detach() * g for x, g in zip(leaves, grads))
-    fused = attention_relevance(call, relevance, 1e-6, False)
+    fused = attention_relevance(call, relevance, False)
     for got, want in zip(fused, (q / 4, k / 4, v / 2)):
         assert torch.allclose(got, want, rtol=0, atol=1e-12)
-    (values,) = attention_relevance(SimpleNamespace(parts=call.parts, roles=("value",)), relevance, 1e-6, True)
+    (values,) = attention_relevance(as_engine_hands_it(call.parts, ("value",)), relevance, True)
     assert torch.allclose(values, v, rtol=0, atol=1e-12)
 
 
@@ -129,12 +150,12 @@ def test_no_scores_are_built_on_the_fused_path(case, dtype):
     call = attention_call(**options)
     relevance = torch.randn(B, H, L, 8, dtype=dtype)
     with _Outputs() as seen:
-        attention_relevance(call, relevance, 1e-6, False)
+        attention_relevance(call, relevance, False)
     names = {name for name, _ in seen.ops}
     assert not names & {"aten._softmax.default", "aten.bmm.default", "aten.matmul.default"}, names
     assert max(size for _, size in seen.ops) < B * H * L * L, seen.ops
     with _Outputs() as seen:  # the reference does build them
-        recomputed_attention_relevance(call, relevance, 1e-6, False)
+        recomputed_attention_relevance(call, relevance, False)
     assert max(size for _, size in seen.ops) >= B * H * L * L
 
 
@@ -166,3 +187,33 @@ def test_a_model_explains_the_same_as_with_the_recomputed_rule(preset, monkeypat
     recomputed = relprop.LRP(model, preset).attribute(x, target=1)
     assert torch.allclose(fused, recomputed, rtol=0, atol=1e-12), (fused - recomputed).abs().max().item()
     assert fused.abs().sum() > 0
+
+
+class _DroppedAttention(nn.Module):
+    """Self-attention whose kernel call asks for dropout (as a model in training mode would), output unprojected."""
+
+    def __init__(self, dropout_p: float, width=8, heads=2):
+        super().__init__()
+        self.dropout_p, self.heads = dropout_p, heads
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        z = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=True)
+        return z.transpose(1, 2).flatten(1)
+
+
+@pytest.mark.parametrize("preset", ["attnlrp", "cp-lrp"])
+def test_an_attention_with_dropout_is_explained_without_it(preset):
+    torch.manual_seed(0)
+    dropped, plain = _DroppedAttention(0.5).double().eval(), _DroppedAttention(0.0).double().eval()
+    plain.load_state_dict(dropped.state_dict())
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    seed = torch.randn(2, 5 * 8, dtype=torch.float64)
+    explained = [relprop.LRP(model, preset).record(x).relevance(seed)[0] for model in (dropped, plain)]
+    torch.manual_seed(1)
+    with torch.no_grad():
+        assert not torch.equal(dropped(x), plain(x))  # the model's own output keeps its dropout
+    assert torch.allclose(explained[0], explained[1], rtol=0, atol=1e-12)
+    assert explained[1].abs().sum() > 0

@@ -1,18 +1,16 @@
-"""``F.scaled_dot_product_attention``: its argument names, and its computation again for the rules of attention.
+"""``F.scaled_dot_product_attention``: its argument names, and its attention weights for the rules that need them.
 
-Two ways to recompute it in the backward pass: :func:`attention_weights` builds
-``softmax(q k^T * scale + mask)`` (T x T per head) for a rule that needs the
-scores themselves, and :func:`fused_attention` runs the fused kernel again on
-leaves that require grad, so that a rule reads its VJP (O(T) memory).
+:func:`attention_weights` builds ``softmax(q k^T * scale + mask)`` (T x T per
+head) for a rule that needs the scores themselves; the rules of AttnLRP and
+CP-LRP take the fused kernel's own backward instead (O(T) memory).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 #: the arguments of ``F.scaled_dot_product_attention``, in its order
@@ -49,19 +47,3 @@ def attention_weights(parts: Mapping[str, Any]) -> Tensor:
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
     # a query with every key masked (left padding) attends to nothing: its softmax, NaN, is no weight
     return torch.softmax(scores, -1).nan_to_num_(0.0)
-
-
-def fused_attention(parts: Mapping[str, Any], wanted: Iterable[str]) -> tuple[Tensor, dict[str, Tensor]]:
-    """The fused kernel's output, recomputed with grad on the arguments named in ``wanted``; and those leaves.
-
-    Without dropout (a rule explains the attention of the model in eval mode).
-    Call under ``torch.enable_grad()``; ``torch.autograd.grad(out, leaves, s)``
-    then runs the fused kernel's own backward.
-    """
-    leaves = {key: parts[key].detach().requires_grad_() for key in wanted}
-    tensors = {key: leaves.get(key, parts[key]) for key in SDPA_TENSORS}
-    extra = {"enable_gqa": True} if parts.get("enable_gqa") else {}
-    out = F.scaled_dot_product_attention(tensors["query"], tensors["key"], tensors["value"],
-                                         attn_mask=tensors["attn_mask"], dropout_p=0.0,
-                                         is_causal=bool(parts.get("is_causal")), scale=parts.get("scale"), **extra)
-    return out, leaves

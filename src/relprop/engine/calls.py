@@ -166,7 +166,11 @@ class OpCall:
 
     @output.setter
     def output(self, value: Tensor) -> None:
-        self._output = value
+        self._output = self._explained_output(value)
+
+    def _explained_output(self, value: Tensor) -> Tensor:
+        """The output the rule reads, given the model's: the same (an op explained without dropout reads another)."""
+        return value
 
     @property
     def kept_output(self) -> Tensor | None:

@@ -29,14 +29,20 @@ class AttentionCall(OpCall):
     """
 
     def __init__(self, func: Callable, args: tuple, kwargs: dict, module_name: str) -> None:
-        super().__init__(OpKind.ATTENTION, func, args, kwargs, op_name(func), module_name)
         bound = bind_builtin(SDPA_ARGUMENTS, args, kwargs)
+        # the kernel's autograd graph, kept from the forward pass, serves the rule's VJP: the attention of the
+        # model in eval mode, so a call with dropout gets a graph of its own without it
+        super().__init__(OpKind.ATTENTION, func, args, kwargs, op_name(func), module_name,
+                         linearised=_without_dropout if bound.get("dropout_p") else None)
         self._parts = {key: constant(bound.get(key)) for key in SDPA_ARGUMENTS}
         # a float mask computed from activations (SAM's decomposed relative positions) is a score term too
         self._roles = [key for key in SDPA_TENSORS if is_activation(bound.get(key))]
 
-    def _needs_graph(self) -> bool:
-        return False
+    def _explained_output(self, value: Tensor) -> Tensor:
+        # with dropout, the rule explains the attention of its graph without dropout: that graph's output
+        if self._graph is not None and self._linearised is not self.func:
+            return self._graph[1].detach()
+        return value
 
     @property
     def parts(self) -> dict[str, Any]:
@@ -47,6 +53,13 @@ class AttentionCall(OpCall):
     def roles(self) -> tuple[str, ...]:
         """The names of the arguments that are activations, in the order of :attr:`~relprop.engine.OpCall.inputs`."""
         return tuple(self._roles)
+
+
+def _without_dropout(*args: Any, **kwargs: Any) -> Tensor:
+    """``F.scaled_dot_product_attention`` of the same arguments with ``dropout_p = 0``."""
+    bound = bind_builtin(SDPA_ARGUMENTS, args, kwargs)
+    bound["dropout_p"] = 0.0
+    return F.scaled_dot_product_attention(**bound)
 
 
 def _attention(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:

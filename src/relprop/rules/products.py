@@ -9,29 +9,31 @@ from torch import Tensor
 from relprop._core.contract import AttentionView, Call, ProductView, SoftmaxView, is_attention, is_product
 from relprop._core.kinds import GATE_TAGS
 from relprop._core.rule import Rule
-from relprop._core.sdpa import attention_weights, fused_attention, head_groups, repeat_heads, softmax_scale
+from relprop._core.sdpa import attention_weights, head_groups, repeat_heads, softmax_scale
 from relprop._core.tensors import sum_to
 from relprop.rules.stabilizers import inverse_denominator
 
 
-def attention_relevance(call: AttentionView, relevance: Tensor, epsilon: float,
-                        values_only: bool) -> tuple[Tensor | None, ...]:
+def attention_relevance(call: AttentionView, relevance: Tensor, values_only: bool) -> tuple[Tensor | None, ...]:
     """Relevance of a fused attention's activation inputs, from the fused kernel's own backward (O(T) memory).
 
     ``values_only`` (CP-LRP): the values take all of it. Else (AttnLRP) the
     product ``weights @ v`` splits it evenly between the weights and ``v``
-    (each with the epsilon rule of a product, ``eps`` the stabiliser), the
-    softmax takes its rule (:class:`Softmax`), and ``q k^T`` splits its share
-    evenly between ``q`` and ``k``; an activation mask gets its own share of
-    each score. Grouped-query heads sum back onto their key and value heads.
+    (each with the epsilon rule of a product), the softmax takes its rule
+    (:class:`Softmax`), and ``q k^T`` splits its share evenly between ``q``
+    and ``k``; an activation mask gets its own share of each score.
+    Grouped-query heads sum back onto their key and value heads.
 
     With ``(dq, dk, dv, dmask)`` the VJP of ``sdpa(q, k, v, mask)`` at
-    ``s = R / (z + eps sign z)``, this is exactly ``v * dv / 2`` (``v * dv``
-    for CP-LRP, or where q, k and the mask are constants), ``q * dq / 4`` and
-    ``k * dk / 4`` (``/ 2`` for the one of them that is an activation) and
-    ``mask * dmask / 2``: the softmax rule of the weights' share ``W * dW / 2``
-    is ``S * dS / 2``, and ``dS`` is the gradient of the scores. So no T x T
-    score matrix is built (:func:`recomputed_attention_relevance` builds it).
+    ``s = R / (z + eps sign z)`` (``call.prepared`` is ``1 / (z + eps sign
+    z)``), this is exactly ``v * dv / 2`` (``v * dv`` for CP-LRP, or where q,
+    k and the mask are constants), ``q * dq / 4`` and ``k * dk / 4`` (``/ 2``
+    for the one of them that is an activation) and ``mask * dmask / 2``: the
+    softmax rule of the weights' share ``W * dW / 2`` is ``S * dS / 2``, and
+    ``dS`` is the gradient of the scores. So no T x T score matrix is built
+    (:func:`recomputed_attention_relevance` builds it), and the VJP is the
+    backward of the kernel's autograd graph kept from the forward pass, which
+    saved what the kernel's backward needs: the kernel does not run again.
     """
     roles = call.roles
     factors = [role for role in ("query", "key") if role in roles]
@@ -39,18 +41,14 @@ def attention_relevance(call: AttentionView, relevance: Tensor, epsilon: float,
     # each argument's share of its x * VJP: q k^T's half of the relevance split over its activation factors
     shares: dict[str, float] = {"value": 1.0} if values_only else {
         "value": 0.5, "attn_mask": 0.5, **dict.fromkeys(factors, 0.5 / max(len(factors), 1))}
-    wanted = [role for role in roles if role in shares]
-    if not wanted:
+    if not any(role in shares for role in roles):
         return (None,) * len(roles)
-    with torch.enable_grad():
-        out, leaves = fused_attention(call.parts, wanted)
-        scaled = relevance * inverse_denominator(out.detach(), epsilon)
-        grads = torch.autograd.grad(out, [leaves[role] for role in wanted], scaled)
-    found = {role: grad.mul_(leaves[role].detach()).mul_(shares[role]) for role, grad in zip(wanted, grads)}
-    return tuple(found.get(role) for role in roles)
+    grads = call.vjp(relevance * call.prepared)
+    return tuple(grad.mul_(x).mul_(shares[role]) if role in shares and grad is not None else None
+                 for role, x, grad in zip(roles, call.inputs, grads))
 
 
-def recomputed_attention_relevance(call: AttentionView, relevance: Tensor, epsilon: float,
+def recomputed_attention_relevance(call: AttentionView, relevance: Tensor,
                                    values_only: bool) -> tuple[Tensor | None, ...]:
     """:func:`attention_relevance` with ``softmax(q k^T * scale + mask) @ v`` recomputed: T x T per head.
 
@@ -63,7 +61,7 @@ def recomputed_attention_relevance(call: AttentionView, relevance: Tensor, epsil
     scale = softmax_scale(parts)
     mask = parts["attn_mask"]
     weights = attention_weights(parts)
-    scaled = relevance * inverse_denominator(weights @ v_, epsilon)
+    scaled = relevance * call.prepared
     # each product splits its relevance over its activation factors: q or k alone (a decoder's query made
     # from constants, in cross-attention) takes all of q k^T's, and values next to constant weights all
     factors = [role for role in ("query", "key") if role in roles]
@@ -103,7 +101,9 @@ class UniformProduct(Rule[Call]):
         self.epsilon = epsilon
 
     def prepare(self, call: Call) -> Tensor | None:
-        """``1 / (k (z + eps sign z))`` of a product of k factors."""
+        """``1 / (k (z + eps sign z))`` of a product of k factors; ``1 / (z + eps sign z)`` of fused attention."""
+        if is_attention(call):
+            return inverse_denominator(call.output, self.epsilon)
         return inverse_denominator(call.output, self.epsilon).div_(len(call.inputs)) if is_product(call) else None
 
     def conserves(self, call: Call) -> bool:
@@ -111,7 +111,7 @@ class UniformProduct(Rule[Call]):
 
     def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         if is_attention(call):
-            return attention_relevance(call, relevance, self.epsilon, values_only=False)
+            return attention_relevance(call, relevance, values_only=False)
         return tuple(None if c is None else x * c for x, c in zip(call.inputs, call.vjp(relevance * call.prepared)))
 
 
@@ -179,8 +179,10 @@ class SignalTakesAll(Rule[Call]):
         return any(gates) and len(gates) - sum(gates) <= 1
 
     def prepare(self, call: Call) -> Tensor | None:
-        """A matrix product's ``1 / (z + eps sign z)``."""
-        return inverse_denominator(call.output, self.epsilon) if is_product(call) and call.matrix else None
+        """A matrix product's or a fused attention's ``1 / (z + eps sign z)``."""
+        if is_attention(call) or (is_product(call) and call.matrix):
+            return inverse_denominator(call.output, self.epsilon)
+        return None
 
     def conserves(self, call: Call) -> bool:
         """A gate times a constant gives the constant the relevance; else the signal takes all of it."""
@@ -188,7 +190,7 @@ class SignalTakesAll(Rule[Call]):
 
     def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         if is_attention(call):
-            return attention_relevance(call, relevance, self.epsilon, values_only=True)
+            return attention_relevance(call, relevance, values_only=True)
         assert is_product(call)  # accepts() took only products and attention
         gates = self.gates(call)
         if call.matrix:  # attn @ v: epsilon rule of v's linear map
