@@ -106,6 +106,9 @@ class UniformProduct(Rule[Call]):
         """``1 / (k (z + eps sign z))`` of a product of k factors."""
         return inverse_denominator(call.output, self.epsilon).div_(len(call.inputs)) if is_product(call) else None
 
+    def prepares_on(self, call: Call) -> bool:
+        return is_product(call)  # fused attention's rule recomputes its output in the backward pass
+
     def conserves(self, call: Call) -> bool:
         return is_product(call)  # a product of k activations is k-linear: x * grad sums to k z
 
@@ -181,6 +184,9 @@ class SignalTakesAll(Rule[Call]):
     def prepare(self, call: Call) -> Tensor | None:
         """A matrix product's ``1 / (z + eps sign z)``."""
         return inverse_denominator(call.output, self.epsilon) if is_product(call) and call.matrix else None
+
+    def prepares_on(self, call: Call) -> bool:
+        return is_product(call) and call.matrix  # a gated product's signal takes the relevance as it arrives
 
     def conserves(self, call: Call) -> bool:
         """A gate times a constant gives the constant the relevance; else the signal takes all of it."""
