@@ -37,6 +37,9 @@ class Rule(Generic[C_contra]):
     needs_vjp: bool = False
     #: whether :meth:`propagate` reads ``call.output``; False lets the engine drop the output after the forward pass
     needs_output: bool = True
+    #: whether :meth:`propagate` reads the values of ``call.inputs``; False (it reads their shapes and dtypes
+    #: alone) lets the engine drop them after the forward pass and keep stand-ins without memory
+    needs_inputs: bool = True
     #: whether :meth:`prepare` reads ``call.output``; True wherever a subclass overrides :meth:`prepare`
     prepares: bool = False
     #: whether an input entry that is 0 gets relevance 0, whatever relevance arrives (``R_i = x_i * c_i``). Only
@@ -72,6 +75,15 @@ class Rule(Generic[C_contra]):
         """
         return False
 
+    def prepares_on(self, call: C_contra) -> bool:
+        """Whether :meth:`prepare` reads ``call.output`` for this call: :attr:`prepares`, unless a rule narrows it.
+
+        A rule that prepares for some calls only (a matrix product, not the
+        elementwise one) says so here: the engine then drops the other calls'
+        outputs after the forward pass, as for a rule that never prepares.
+        """
+        return self.prepares
+
     def prepare(self, call: C_contra) -> Tensor | None:
         """Precompute from ``call.output`` what :meth:`propagate` needs; it reads that as ``call.prepared``.
 
@@ -99,6 +111,7 @@ class Pass(Rule[Call]):
     """
 
     needs_output = False
+    needs_inputs = False  # their shapes alone
 
     #: every kind but the ones with several activation inputs or without a rule (where passing it on is a guess)
     kinds = frozenset(OpKind) - {OpKind.ATTENTION, OpKind.UNKNOWN}

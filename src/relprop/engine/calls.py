@@ -369,9 +369,35 @@ class OpCall:
         self._leaves = []
 
     def settle(self) -> None:
-        """Drop the output once nothing will read it: it would keep an activation alive until the backward pass."""
-        if not self.rule.needs_output and (self._prepared or not self.rule.prepares):
+        """Drop what no rule will read: it would keep an activation alive until the backward pass.
+
+        The output, once neither ``propagate`` nor ``prepare`` reads it; the
+        inputs' values where the rule reads their shapes alone
+        (:meth:`keep_input_shapes`).
+        """
+        rule = self.rule
+        if not rule.needs_output and (self._prepared or not rule.prepares_on(self)):
             self._output = None
+        if not rule.needs_inputs and self.keeps_inputs:
+            self.keep_input_shapes()
+
+    @property
+    def keeps_inputs(self) -> bool:
+        """Whether :attr:`~relprop.engine.OpCall.inputs` hold the inputs' values (not stand-ins of their shapes)."""
+        return not any(x.is_meta for x in self.inputs)
+
+    def keep_input_shapes(self) -> None:
+        """Hold stand-ins of the inputs without memory (on the meta device), of their shapes and dtypes.
+
+        For a rule that reads nothing more (:attr:`~relprop.rules.Rule.needs_inputs`):
+        the inputs' memory is then freed as soon as nothing else holds it, and
+        no later write into it concerns this call.
+        """
+        inputs = tuple([torch.empty_like(x, device="meta") for x in self.inputs])
+        for slot, x in zip(self._slots, inputs):
+            self._leaves[slot] = x
+        self.inputs = inputs
+        self.versions = ()
 
     def protect(self, copy: Tensor | None = None) -> None:
         """Before user code modifies the output in place: prepare now, and copy it if the rule reads it later.

@@ -99,8 +99,11 @@ class AliasTracker:
             self.carry_zeros(self.zeroed_in((*args, *kwargs.values())), out)
 
     def recorded(self, call: OpCall, out: Tensor) -> None:
-        """``call`` ran and produced ``out``: it is ``out``'s producer and a reader of its inputs' memory."""
+        """``call`` ran and produced ``out``: it is ``out``'s producer and a reader of its inputs' memory (if it
+        keeps them: a call that keeps their shapes alone reads no memory)."""
         self._producers[out] = call
+        if not call.keeps_inputs:
+            return
         reader = weakref.ref(call)
         for x in call.inputs:
             self._readers.setdefault(storage_address(x), []).append(reader)
