@@ -56,8 +56,8 @@ def test_an_op_whose_rule_reads_its_input_shape_alone_keeps_no_input_memory():
 
 
 class _Attention(nn.Module):
-    """Fused attention behind a gated normalisation: the attention's and the gated product's outputs are
-    read by no rule."""
+    """Fused attention behind a gated normalisation: the gated product's output is read by no rule, the
+    attention's by its rule (``1 / z``), in the memory the kernel's own graph saved for its backward."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,13 +69,16 @@ class _Attention(nn.Module):
         return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(-2, -3).flatten(-2))
 
 
-def test_rules_that_prepare_for_other_calls_keep_no_output_of_attention_or_a_gated_product():
+def test_rules_that_prepare_for_other_calls_keep_no_output_of_a_gated_product_and_attention_none_of_its_own():
     torch.manual_seed(0)
     model, x = _Attention().eval(), torch.randn(1, 6, 16)
     for preset in ("attnlrp", "cp-lrp"):
         explained = relprop.LRP(model, preset).record(x)
         calls = _calls(explained.logits)
-        unread = [call for call in calls if call.kind == "attention" or call.factors == (None, "statistic")]
-        assert len(unread) == 2 and all(call.kept_output is None for call in unread)
+        (gated,) = [call for call in calls if call.factors == (None, "statistic")]
+        assert gated.kept_output is None
+        (attention,) = [call for call in calls if call.kind == "attention"]
+        graph_output = attention._graph[1]  # what the kernel's autograd node saved for its backward
+        assert attention.kept_output.data_ptr() == graph_output.data_ptr()
         (relevance,) = explained.relevance(relprop.output_relevance(explained.logits, (-1, 2)))
         assert torch.equal(relevance, relprop.LRP(model, preset).attribute(x, target=(-1, 2)))

@@ -387,11 +387,9 @@ class OpCall:
         return not any(x.is_meta for x in self.inputs)
 
     def keep_input_shapes(self) -> None:
-        """Hold stand-ins of the inputs without memory (on the meta device), of their shapes and dtypes.
+        """Hold meta stand-ins of the inputs' shapes and dtypes, for a rule that reads no more (``needs_inputs``).
 
-        For a rule that reads nothing more (:attr:`~relprop.rules.Rule.needs_inputs`):
-        the inputs' memory is then freed as soon as nothing else holds it, and
-        no later write into it concerns this call.
+        The inputs' memory is freed once nothing else holds it; no later write into it concerns this call.
         """
         inputs = tuple([torch.empty_like(x, device="meta") for x in self.inputs])
         for slot, x in zip(self._slots, inputs):

@@ -106,9 +106,6 @@ class UniformProduct(Rule[Call]):
             return inverse_denominator(call.output, self.epsilon)
         return inverse_denominator(call.output, self.epsilon).div_(len(call.inputs)) if is_product(call) else None
 
-    def prepares_on(self, call: Call) -> bool:
-        return is_product(call)  # fused attention's rule recomputes its output in the backward pass
-
     def conserves(self, call: Call) -> bool:
         return is_product(call)  # a product of k activations is k-linear: x * grad sums to k z
 
@@ -188,7 +185,8 @@ class SignalTakesAll(Rule[Call]):
         return None
 
     def prepares_on(self, call: Call) -> bool:
-        return is_product(call) and call.matrix  # a gated product's signal takes the relevance as it arrives
+        # a gated product's signal takes the relevance as it arrives
+        return is_attention(call) or (is_product(call) and call.matrix)
 
     def conserves(self, call: Call) -> bool:
         """A gate times a constant gives the constant the relevance; else the signal takes all of it."""
