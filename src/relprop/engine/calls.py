@@ -369,11 +369,10 @@ class OpCall:
         self._leaves = []
 
     def settle(self) -> None:
-        """Drop what no rule will read: it would keep an activation alive until the backward pass.
+        """Drop what no rule will read (it would keep activations alive until the backward pass).
 
-        The output, once neither ``propagate`` nor ``prepare`` reads it; the
-        inputs' values where the rule reads their shapes alone
-        (:meth:`keep_input_shapes`).
+        The output, once neither ``propagate`` nor ``prepare`` reads it; the inputs' values where the rule
+        reads their shapes alone (:meth:`keep_input_shapes`).
         """
         rule = self.rule
         if not rule.needs_output and (self._prepared or not rule.prepares_on(self)):
