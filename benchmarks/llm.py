@@ -12,7 +12,9 @@ Methods, for the logit of one token at the last position of a prompt of ``--toke
 continuation=...)`` (one recorded forward pass, one seed per token) against what a gradient pays for the same:
 one forward pass with gradients over the whole sequence and ``G`` backward passes, one per generated token's
 logit (``retain_graph``). The continuation is the model's greedy one, generated once beforehand, so neither
-side's time includes ``generate``.
+side's time includes ``generate``. With ``--lxt-python``, LXT 2.1's AttnLRP of the same tokens too (the
+patched model's forward pass and ``G`` backward passes, in its own process: ``lxt_child.py generation``),
+and how far its relevance is from relprop's.
 
 Times: all methods in one process, interleaved round by round after a warm-up, medians. Peak memory
 (``--memory``): one fresh subprocess per method and length; the model loaded and each method run once on 16
@@ -29,11 +31,14 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+import bench
 
 import relprop
 from relprop.rules import products
@@ -76,26 +81,33 @@ def method(name: str, model: Any) -> Callable[[torch.Tensor, int], torch.Tensor]
     return attnlrp
 
 
-def generation_runs(model: Any, tokenizer: Any, tokens: int, generated: int
-                    ) -> dict[str, Callable[[], object]]:
-    """Explaining ``generated`` greedy tokens after a prompt of ``tokens`` tokens, and a gradient's share of it."""
-    prompt = prompt_ids(tokenizer, tokens)
+def generated_sequence(model: Any, tokenizer: Any, tokens: int, generated: int) -> torch.Tensor:
+    """``(1, tokens + generated)``: :func:`prompt_ids` and the model's greedy continuation."""
     with torch.no_grad():
-        sequence = model.generate(prompt, max_new_tokens=generated, min_new_tokens=generated, do_sample=False,
-                                  pad_token_id=tokenizer.eos_token_id)
-    embedding = model.get_input_embeddings()
+        return model.generate(prompt_ids(tokenizer, tokens), max_new_tokens=generated, min_new_tokens=generated,
+                              do_sample=False, pad_token_id=tokenizer.eos_token_id)
 
-    def gradients() -> list[torch.Tensor]:
-        embeds = embedding(sequence[:, :-1]).detach().requires_grad_()
-        logits = model(inputs_embeds=embeds).logits[0]
-        picked = logits[torch.arange(tokens - 1, sequence.shape[1] - 1), sequence[0, tokens:]]
-        return [torch.autograd.grad(logit, embeds, retain_graph=g < generated - 1)[0].sum(-1)
-                for g, logit in enumerate(picked)]
 
+def token_gradients(model: Any, sequence: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``(G, T + G - 1)``: Gradient x Input of each generated token's logit, one forward and ``G`` backward passes.
+
+    Under LXT's patches this is LXT's AttnLRP of each generated token.
+    """
+    embeds = model.get_input_embeddings()(sequence[:, :-1]).detach().requires_grad_()
+    logits = model(inputs_embeds=embeds).logits[0]
+    picked = logits[torch.arange(tokens - 1, sequence.shape[1] - 1), sequence[0, tokens:]]
+    rows = [(torch.autograd.grad(logit, embeds, retain_graph=g < len(picked) - 1)[0] * embeds).sum(-1)[0]
+            for g, logit in enumerate(picked)]
+    return torch.stack(rows).detach()
+
+
+def generation_runs(model: Any, sequence: torch.Tensor, tokens: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """Explaining the tokens after the first ``tokens`` of ``sequence``, and a gradient's forward and backward passes."""
     def explained() -> torch.Tensor:
-        return relprop.explain_generation(model, prompt, continuation=sequence[:, tokens:]).relevance
+        found = relprop.explain_generation(model, sequence[:, :tokens], continuation=sequence[:, tokens:])
+        return found.relevance[0, :, :-1]
 
-    return {"gradient": gradients, "attnlrp": explained}
+    return {"gradient": lambda: token_gradients(model, sequence, tokens), "attnlrp": explained}
 
 
 def target_of(model: Any, ids: torch.Tensor) -> int:
@@ -120,19 +132,29 @@ def timings(model: Any, tokenizer: Any, tokens: int, rounds: int, which: list[st
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def generation_cost(model: Any, tokenizer: Any, tokens: int, generated: int, rounds: int) -> None:
-    """Print explaining a generation against its gradients' forward and backward passes (medians, interleaved)."""
-    runs = generation_runs(model, tokenizer, tokens, generated)
-    for run in runs.values():  # warm-up
-        run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    gradient, attnlrp = (statistics.median(times[name]) for name in ("gradient", "attnlrp"))
-    print(f"| {tokens} + {generated} | {gradient:.2f} | {attnlrp:.2f} | {attnlrp / gradient:.2f} |", flush=True)
+def generation_cost(model: Any, tokenizer: Any, tokens: int, generated: int, rounds: int,
+                    lxt_python: str | None) -> None:
+    """Print explaining a generation against a gradient's forward and backward passes (medians, interleaved).
+
+    With ``lxt_python``, all three (gradient, relprop, LXT) timed again in LXT's own process
+    (``lxt_child.py generation``), and how far the two relevances differ relative to the largest.
+    """
+    if lxt_python is None:
+        sequence = generated_sequence(model, tokenizer, tokens, generated)
+        found = bench.interleaved(dict(generation_runs(model, sequence, tokens)), rounds, "cpu")
+        print(f"| {tokens} + {generated} | {found['gradient']:.2f} | {found['attnlrp']:.2f} | "
+              f"{found['attnlrp'] / found['gradient']:.2f} |", flush=True)
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "lxt.pt")
+        subprocess.run([lxt_python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lxt_child.py"),
+                        "generation", str(tokens), str(generated), str(rounds), out], check=True)
+        found = torch.load(out)
+    ours, theirs = found["relprop relevance"], found["lxt relevance"]
+    difference = (ours - theirs).abs().max().item() / (ours.abs().max().item() or 1.0)
+    print(f"| {tokens} + {generated} | {found['gradient']:.2f} | {found['attnlrp']:.2f} | "
+          f"{found['attnlrp'] / found['gradient']:.2f} | {found['lxt']:.2f} | {found['attnlrp'] / found['lxt']:.2f} | "
+          f"{difference:.1e} |", flush=True)
 
 
 def _status(field: str) -> int:
@@ -177,6 +199,8 @@ def main() -> None:
     parser.add_argument("--generation", type=int, metavar="G",
                         help="instead: explaining G generated tokens after each prompt length, against one forward "
                              "and G backward passes of a gradient")
+    parser.add_argument("--lxt-python", help="with --generation: also LXT 2.1's, in its own process under this "
+                                             "Python (which has lxt installed; see lxt_child.py)")
     parser.add_argument("--memory-child", nargs=2, metavar=("METHOD", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -186,11 +210,12 @@ def main() -> None:
     if args.generation:
         print(f"SmolLM2-135M-Instruct, float32, {torch.get_num_threads()} thread(s), torch {torch.__version__}; "
               f"median of {args.rounds} interleaved rounds after a warm-up\n")
+        lxt = " LXT (s) | relprop / LXT | max abs difference / max abs relevance |" if args.lxt_python else ""
         print("| prompt + generated tokens | forward + G backward passes of a gradient (s) | "
-              "explain_generation (s) | ratio |")
-        print("| --- | --- | --- | --- |")
+              f"explain_generation (s) | ratio |{lxt}")
+        print("| --- | --- | --- | --- |" + (" --- | --- | --- |" if args.lxt_python else ""))
         for tokens in args.tokens:
-            generation_cost(model, tokenizer, tokens, args.generation, args.rounds)
+            generation_cost(model, tokenizer, tokens, args.generation, args.rounds, args.lxt_python)
         return
     timed = "one run each, in its measurement process" if args.no_time else (
         f"median of {args.rounds} interleaved rounds after a warm-up")

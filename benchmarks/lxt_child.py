@@ -1,6 +1,7 @@
 """LXT's AttnLRP side by side with relprop's, in a process of its own (run by ``bench.py --with lxt``).
 
     python benchmarks/lxt_child.py NAME HIDDEN LAYERS TOKENS ROUNDS DEVICE DTYPE OUT
+    python benchmarks/lxt_child.py generation TOKENS GENERATED ROUNDS OUT   (SmolLM2, see ``generation``)
 
 LXT patches transformers' classes process-wide, so ``bench.py`` runs it here, never in its own process. This
 process builds the same model as ``bench.py`` (``transformer_case``) and times, interleaved round by round after
@@ -103,7 +104,34 @@ def patched(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
                 swap(owner, attribute, old)
 
 
+def generation(tokens: int, generated: int, rounds: int, out: str) -> None:
+    """SmolLM2: explaining ``generated`` greedy tokens, relprop's ``explain_generation`` against LXT's.
+
+    LXT's: the patched model's forward pass over the sequence and one backward pass per generated token
+    (``llm.token_gradients``), beside the same passes of the plain model. Writes the medians and both
+    ``(G, T + G - 1)`` relevances.
+    """
+    import llm
+    model, tokenizer = llm.load_smollm2()
+    sequence = llm.generated_sequence(model, tokenizer, tokens, generated)
+    changes = lxt_patches("smollm2", model)
+    runs: dict[str, Callable[[], torch.Tensor]] = dict(llm.generation_runs(model, sequence, tokens))
+
+    def lxt() -> torch.Tensor:
+        with patched(changes):
+            return llm.token_gradients(model, sequence, tokens)
+
+    runs["lxt"] = lxt
+    found: dict[str, Any] = bench.interleaved(runs, rounds, "cpu")
+    found.update({"relprop relevance": runs["attnlrp"]().double(), "lxt relevance": lxt().double()})
+    torch.save(found, out)
+
+
 def main() -> None:
+    if sys.argv[1] == "generation":
+        tokens, generated, rounds, out = sys.argv[2:]
+        generation(int(tokens), int(generated), int(rounds), out)
+        return
     name, hidden, layers, length, rounds, device, dtype, out = sys.argv[1:]
     model, ids, target, gradient = bench.transformer_case(name, 1, int(length), device, bench.DTYPES[dtype],
                                                           int(hidden), int(layers))
