@@ -278,6 +278,7 @@ class BiLRP:
                              f"{right.shape[1]} dimensions")
         batch, dims = left.shape
         copies = self._copies(batch, dims)
+        # as in LRP.attribute: the passes need autograd under inference_mode too, and leave no reference cycles
         with torch.inference_mode(False), cyclic_gc_paused():
             lrp = self._lrp()
             sides = [(_record(lrp, x, additional_forward_args, copies), left),
