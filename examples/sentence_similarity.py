@@ -256,7 +256,7 @@ def deletion_table(tokenizer: Any, encoder: nn.Module, composite: relprop.compos
     ``cache`` as for :func:`explain`.
     """
     embed = MeanPooled(encoder).eval()
-    bilrp = relprop.BiLRP(embed, composite, max_batch=384, strict=True)
+    bilrp = relprop.BiLRP(embed, composite, strict=True)
     table: Table = {measure: {k: {order: [] for order in ORDERS} for k in ks} for measure in ("drop", "interaction")}
     for measure in ("correlation with interaction", "correlation with drop"):
         table[measure] = {0: {order: [] for order in ORDERS[:-1]}}
@@ -323,7 +323,7 @@ def main() -> None:
     tokenizer, encoder = load()
     encoder.to(args.device)
     composite = relprop.composites.get(args.preset, gamma=args.gamma, epsilon=args.epsilon)
-    bilrp = relprop.BiLRP(MeanPooled(encoder).eval(), composite, max_batch=384, strict=True)
+    bilrp = relprop.BiLRP(MeanPooled(encoder).eval(), composite, strict=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     colour = sys.stdout.isatty()  # ANSI colours only on a terminal, never into a file or a pipe

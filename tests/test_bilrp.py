@@ -194,3 +194,53 @@ def test_a_callable_that_runs_part_of_a_model_names_it_by_the_model():
     expected = relprop.BiLRP(model, Epsilon(0.0, name_map={"fc": relprop.rules.ZPlus()})).attribute(x, x2)
     assert torch.allclose(relprop.BiLRP(features, named).attribute(x, x2), expected, rtol=0, atol=1e-12)
     assert not torch.allclose(expected, relprop.BiLRP(model, LRP0).attribute(x, x2), atol=1e-3)  # ZPlus applied
+
+
+def attribution_per_dimension(model, composite, x, extra=None):
+    """(D, B, *S): one fresh ``LRP.attribute`` per embedding dimension, seeded with that dimension's value."""
+    with torch.no_grad():
+        embedding = model(x, *(extra or ()))
+    lrp = relprop.LRP(model, composite)
+    found = []
+    for m in range(embedding.shape[1]):
+        seed = torch.zeros_like(embedding)
+        seed[:, m] = embedding[:, m]
+        found.append(lrp.attribute(x, target=seed, additional_forward_args=extra))
+    return torch.stack(found)
+
+
+@pytest.mark.parametrize("max_batch", [1, 5, 64])
+def test_pairs_from_one_recorded_pass_per_side_equal_one_attribution_per_dimension(max_batch):
+    model, x, x2 = model_and_pair()
+    left, right = (attribution_per_dimension(model, "epsilon-plus", v) for v in (x, x2))
+    expected = torch.einsum("mbi,mbj->bij", left.flatten(2), right.flatten(2)).reshape(3, 2, 4, 4, 2, 4, 4)
+    pairs = relprop.BiLRP(model, "epsilon-plus", max_batch=max_batch).attribute(x, x2)
+    assert torch.allclose(pairs, expected, rtol=0, atol=1e-10)
+    tokens = TokenEmbedder().double().eval()
+    ids, ids2 = torch.randint(0, 20, (2, 5)), torch.randint(0, 20, (2, 7))
+    mask, mask2 = torch.ones(2, 5, dtype=torch.float64), torch.ones(2, 7, dtype=torch.float64)
+    mask2[0, 4:] = 0
+    left, right = (attribution_per_dimension(tokens, "attnlrp", v, (m,)) for v, m in ((ids, mask), (ids2, mask2)))
+    expected = torch.einsum("mbi,mbj->bij", left, right)
+    pairs = relprop.BiLRP(tokens, "attnlrp", max_batch=max_batch).attribute(ids, ids2, (mask,), (mask2,))
+    assert torch.allclose(pairs, expected, rtol=0, atol=1e-10)
+
+
+def test_the_model_keeps_its_hooks_flags_and_parameters_as_they_were():
+    model, x, x2 = model_and_pair()
+    model.fc.train()
+    model.conv1.weight.requires_grad_(False)
+    calls = []
+    model.conv2.register_forward_hook(lambda module, args, output: calls.append(output.shape[0]))
+
+    def state():
+        return [(name, module.training, dict(module._forward_hooks), dict(module._forward_pre_hooks),
+                 dict(module._backward_hooks), [(p.requires_grad, p.grad) for p in module.parameters(False)])
+                for name, module in model.named_modules()]
+
+    before, weights = state(), [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(UserWarning, match="training mode"):
+        relprop.BiLRP(model, LRP0, max_batch=6).attribute(x, x2)
+    assert state() == before
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert calls == [3, 3, 6, 6]  # the user's hook saw the embeddings' and the recorded passes' forwards, no more
