@@ -44,7 +44,7 @@ def _conv_vjp(x: Tensor, weight: Tensor, options: dict, transposed: bool) -> Cal
 
 
 #: a dense layer's transposed product ``grad @ W`` counts the nonzero entries of ``grad`` from this many
-#: multiply-adds on (one pass over ``grad``: well under 1% of such a product) ...
+#: multiply-adds on (one pass over ``grad``, against ``in_features`` multiply-adds per entry of it) ...
 SPARSE_PRODUCT_SIZE = 1 << 24
 #: ... and skips its zeros where at most this share of its entries is nonzero
 SPARSE_SHARE = 1 / 64
