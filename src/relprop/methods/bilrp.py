@@ -16,9 +16,9 @@ recorded once (:meth:`relprop.LRP.record`, reusable) and the seeds are carried
 back through that one forward pass. The recorded batch holds ``c`` copies of
 the inputs, so that a backward pass carries ``c`` seeds at once (copy ``k``
 seeded with the ``k``-th dimension of a chunk): more copies mean fewer
-backward passes but a longer forward pass, whose copies are all alike (on
-all-MiniLM-L6-v2, one copy and 384 backward passes take four times as long
-as 64 copies and 6). ``max_batch`` bounds the recorded batch.
+backward passes but a longer forward pass, whose copies are all alike (one
+copy per pass costs the most: a backward pass per dimension, each with the
+fixed cost of every op). ``max_batch`` bounds the recorded batch.
 """
 from __future__ import annotations
 
