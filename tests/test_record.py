@@ -64,3 +64,29 @@ def test_every_next_token_of_a_llama_from_one_forward_pass(attention):
         (relevance,) = explained.relevance(relprop.output_relevance(explained.logits, (position, token)))
         fresh = relprop.LRP(model, "attnlrp").attribute(ids, target=(position, token))
         torch.testing.assert_close(relevance, fresh, rtol=1e-12, atol=1e-14)
+
+
+class SquashActivation(nn.Module):
+    """An activation module of another library (by its name): run as one op, its output made by the module."""
+
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+
+@pytest.mark.parametrize("reusable", [True, False])
+def test_a_recorded_pass_is_freed_with_its_last_reference(reusable):
+    """Nothing of the pass outlives it, also with an activation module's op (no cycle through the graph)."""
+    import gc
+
+    def op_calls() -> int:
+        gc.collect()
+        # type() rather than isinstance(): the latter reads attributes of every object, deprecated ones too
+        return sum(issubclass(type(o), relprop.engine.OpCall) for o in gc.get_objects())
+
+    model = nn.Sequential(nn.Linear(4, 8), SquashActivation(), nn.Linear(8, 3)).eval()
+    before = op_calls()
+    explained = relprop.LRP(model, "attnlrp").record(torch.randn(5, 4), reusable=reusable)
+    assert op_calls() > before
+    explained.relevance(relprop.output_relevance(explained.logits, 1))
+    del explained
+    assert op_calls() == before

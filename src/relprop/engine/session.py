@@ -41,8 +41,13 @@ from relprop.engine.tracking import AliasTracker, aliases
 _current = threading.local()
 
 def _stored(x: Tensor, value: Tensor) -> Tensor:
-    """The op of an activation module: its output was computed by the module itself."""
-    return value
+    """The op of an activation module: its output was computed by the module itself.
+
+    A tensor of its own over that memory: the node's output gets the node as its ``grad_fn``, and ``value`` is
+    kept among the call's arguments, so returning it would close a reference cycle through the autograd graph
+    (node -> call -> argument -> node) that Python's garbage collector cannot see.
+    """
+    return value.detach()
 
 
 class _Unhandled(Gradient):
