@@ -371,8 +371,11 @@ def retrieval(model: nn.Module, tokenizer: Any, length: int, count: int, methods
         found["spans"].append(case.span[1] - case.span[0])
         for name in methods:
             start = time.perf_counter()
-            relevance = relprop.explain_generation(model, case.ids, continuation=torch.tensor([[case.answer]]),
-                                                   composite=name).relevance[0, 0, :-1]
+            # one token to explain: a single attribution, equal to explain_generation's row
+            # (docs/guide/generation.md), frees what it keeps as it goes; explain_generation's reusable recorded
+            # pass is not freed after use (LRP.record(reusable=True) leaks, reported), and at 1k tokens a few
+            # such calls fill the memory
+            relevance = relprop.LRP(model, name).attribute(case.ids, target=(-1, case.answer))[0]
             hits = retrieval_hits(relevance, case.span)
             found[name] = [found[name][0] + hits[0], found[name][1] + hits[1]]
             if progress is not None:
