@@ -44,9 +44,9 @@ import argparse
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -119,7 +119,7 @@ class Case:
 
 
 # ------------------------------------------------------------------------------------------------------ cases
-def generate_cases(model: nn.Module, tokenizer: Any, prompts: dict[str, Sequence[str]], new_tokens: int) -> list[Case]:
+def generate_cases(model: Any, tokenizer: Any, prompts: Mapping[str, Sequence[str]], new_tokens: int) -> list[Case]:
     """Every prompt with ``new_tokens`` greedily generated tokens."""
     cases = []
     for kind, texts in prompts.items():
@@ -140,7 +140,7 @@ def lrp_scores(model: nn.Module, case: Case, composite: str) -> Tensor:
     return found.relevance[0].double()
 
 
-def gradient_scores(model: nn.Module, case: Case) -> tuple[Tensor, Tensor]:
+def gradient_scores(model: Any, case: Case) -> tuple[Tensor, Tensor]:
     """``(G, T + G)`` twice: Gradient x Input and the gradient's L2 norm, per token, for each generated token."""
     embedding = model.get_input_embeddings()
     gradient = relprop.methods.InputGradient(lambda embeds: model(inputs_embeds=embeds).logits)
@@ -149,13 +149,13 @@ def gradient_scores(model: nn.Module, case: Case) -> tuple[Tensor, Tensor]:
     for g in range(case.generated):
         end = case.prompt_length + g  # the predicting position is end - 1
         embeds = embedding(case.sequence[None, :end]).detach()
-        grad = gradient.attribute(embeds, target=(-1, int(case.sequence[end])))
+        grad = cast(Tensor, gradient.attribute(embeds, target=(-1, int(case.sequence[end]))))  # one input
         times_input[g, :end] = (grad * embeds).sum(-1)[0].double()
         norm[g, :end] = grad.norm(dim=-1)[0].double()
     return times_input, norm
 
 
-def attention_scores(model: nn.Module, case: Case) -> Tensor:
+def attention_scores(model: Any, case: Case) -> Tensor:
     """``(G, T + G)``: last-layer attention of each predicting position, mean over heads.
 
     Fused attention (sdpa) gives no weights: the model runs eager attention for this pass only.
@@ -259,8 +259,8 @@ def evaluate(model: nn.Module, cases: Sequence[Case], methods: Sequence[str] = M
         for g in range(case.generated):
             predicting = case.prompt_length + g - 1
             kinds.append(case.kind)
-            for name in found_shares:
-                found_shares[name].append(shares(scores[name][0][g], predicting))
+            for name, rows in found_shares.items():
+                rows.append(shares(scores[name][0][g], predicting))
             for variant in VARIANTS:
                 names = [name for name in methods for _ in scores[name]]
                 orders = [deletion_order(s[g], predicting, variant != VARIANTS[0]) for name in methods
@@ -413,7 +413,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from relprop.workflows.smollm2 import load_smollm2
 
     model, tokenizer = load_smollm2()
-    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
     if not args.no_deletion:
         prompts = {kind: PROMPTS[kind][:args.per_kind] for kind in args.kinds}
         cases = generate_cases(model, tokenizer, prompts, args.new_tokens)

