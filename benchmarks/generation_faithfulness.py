@@ -375,9 +375,8 @@ def retrieval(model: nn.Module, tokenizer: Any, length: int, count: int, methods
         for name in methods:
             start = time.perf_counter()
             # one token to explain: a single attribution, equal to explain_generation's row
-            # (docs/guide/generation.md), frees what it keeps as it goes; explain_generation's reusable recorded
-            # pass is not freed after use (LRP.record(reusable=True) leaks, reported), and at 1k tokens a few
-            # such calls fill the memory
+            # (docs/guide/generation.md), which frees what it keeps as the relevance passes (a reusable
+            # recorded pass keeps all of it until the end: at 4k tokens that is the peak)
             relevance = relprop.LRP(model, name).attribute(case.ids, target=(-1, case.answer))[0]
             hits = retrieval_hits(relevance, case.span)
             found[name] = [found[name][0] + hits[0], found[name][1] + hits[1]]

@@ -79,3 +79,14 @@ def test_the_page_works_offline_and_names_every_token():
     assert "http" not in page and "<script src" not in page  # nothing fetched from elsewhere
     assert page.count('class="t') == PROMPT.shape[1] + 2 and page.count('class="t gen"') == 2
     assert found.tokens == [[chr(97 + i % 26) for i in found.sequences[0].tolist()]]
+
+
+def test_each_row_is_shown_on_the_scale_of_its_context_between_the_first_and_the_predicting_token():
+    sequences = torch.tensor([[0, 5, 6, 7, 8, 9]])
+    relevance = torch.tensor([[[9.0, -2.0, 1.0, 7.0, 0.0, 0.0],  # context 0..3: 3 predicts, 1..2 between
+                               [9.0, 1.0, -3.0, 0.5, 8.0, 0.0],  # context 0..4
+                               [9.0, 0.0, 0.0, 0.0, 0.0, 4.0]]])  # nothing between: the whole context's
+    found = relprop.Generation(sequences, relevance, 3, torch.ones(1, 6, dtype=torch.long))
+    assert found.scales().tolist() == [2.0, 3.0, 9.0]
+    page = found.html()
+    assert '"scales": [2.0, 3.0, 9.0]' in page

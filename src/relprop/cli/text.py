@@ -55,8 +55,9 @@ def explain_text(prompt: str, model: str, max_new_tokens: int, continuation: str
         context = row[:prompt_length + g]
         top = context[1:].abs().argsort(descending=True)[:3] + 1  # the first token apart: often a sink
         sources = ", ".join(f"{tokens[i]!r} {context[i]:+.2f}" for i in top.tolist())
-        sink = context[0] / context.abs().sum().clamp_min(1e-30)
-        click.echo(f"  {tokens[prompt_length + g]!r}: {sources} (first token {sink:.0%} of |relevance|)")
+        total = context.abs().sum().clamp_min(1e-30)
+        click.echo(f"  {tokens[prompt_length + g]!r}: {sources} (of |relevance|: first token "
+                   f"{context[0].abs() / total:.0%}, predicting token {context[-1].abs() / total:.0%})")
     out.mkdir(parents=True, exist_ok=True)
     with viz.atomic_path(out / "generation.html") as temporary:
         temporary.write_text(found.html(), encoding="utf-8")

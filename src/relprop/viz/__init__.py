@@ -372,8 +372,8 @@ def save_generation_matrix(generation: Any, path: str | Path, index: int = 0, cm
                            dpi: int = 110) -> Path:
     """The relevance matrix of a generation (:class:`relprop.Generation`): one row per generated token.
 
-    Each row is scaled to its largest relevance after the first token, which often holds much of it (an
-    attention sink) and would wash out the rest; the colour bar is in units of that scale.
+    Each row is shown on its scale of :meth:`relprop.Generation.scales` (the first and the predicting token,
+    which often hold much of the relevance, left out of it); the colour bar is in units of that scale.
     """
     keep = generation.attention_mask[index].bool()
     start = int((~keep).sum())
@@ -381,7 +381,7 @@ def save_generation_matrix(generation: Any, path: str | Path, index: int = 0, cm
              else [str(t) for t in generation.sequences[index].tolist()])[start:]
     prompt = generation.prompt_length - start
     rows = generation.relevance[index][:, start:].double()
-    scales = rows[:, 1:].abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    scales = generation.scales(index).unsqueeze(1)
     shown = (rows / scales).clamp(-1, 1).numpy()
     columns = len(words) - 1  # the last generated token is predicted, never read
     figure, axis = plt.subplots(figsize=(max(4.0, 0.28 * columns + 2), max(2.5, 0.3 * len(rows) + 1.6)),
@@ -394,5 +394,5 @@ def save_generation_matrix(generation: Any, path: str | Path, index: int = 0, cm
     axis.set_xlabel("context token (prompt | generated)")
     axis.set_ylabel("generated token")
     bar = figure.colorbar(image, ax=axis, shrink=0.8)
-    bar.set_label("relevance / row maximum (first token aside)", fontsize=7)
+    bar.set_label("relevance / row scale (first and predicting token aside)", fontsize=7)
     return _save_figure(figure, path, dpi)

@@ -52,18 +52,35 @@ class Generation:
         """``(B, G)``: the generated token ids."""
         return self.sequences[:, self.prompt_length:]
 
+    def scales(self, index: int = 0) -> Tensor:
+        """``(G,)``: the scale each row of sequence ``index`` is shown on, as :meth:`html` and the matrix show it.
+
+        The largest relevance in absolute value among the context tokens between the first token and the
+        predicting one (the token before the generated one). Those two often hold much of the relevance: the
+        first where the model parks attention (a sink), the predicting one as the position the logit is read
+        at; on their scale the rest of the context would hardly show. A row whose context has no other token
+        takes the largest of all; an empty or zero row, 1.
+        """
+        start = int((~self.attention_mask[index].bool()).sum())  # left padding
+        found = []
+        for g, row in enumerate(self.relevance[index][:, start:].double()):
+            end = self.prompt_length - start + g  # the context of generated token g
+            middle = row[1:end - 1]
+            found.append(_scale(middle if middle.numel() and bool(middle.abs().max() > 0) else row[:end]))
+        return torch.tensor(found, dtype=torch.float64)
+
     def html(self, index: int = 0) -> str:
         """A page of sequence ``index``: hover or click a generated token to see its sources as a heatmap.
 
-        Self-contained (no script or style from elsewhere): it works offline. Each row is scaled to its own
-        largest relevance; the first token, where many models park attention (a sink), is left out of the
-        scale and marked, so that it does not wash out the rest.
+        Self-contained (no script or style from elsewhere): it works offline. Each row is shown on its own
+        scale (:meth:`scales`): the first and the predicting token, which often hold much of the relevance,
+        are left out of it and marked, so that they do not wash out the rest.
         """
         keep = self.attention_mask[index].bool()
         start = int((~keep).sum())  # left padding
         words = self.tokens[index] if self.tokens is not None else [str(t) for t in self.sequences[index].tolist()]
         rows = self.relevance[index][:, start:].double()
-        scales = [_scale(row[1:self.prompt_length - start + g]) for g, row in enumerate(rows)]
+        scales = self.scales(index).tolist()
         prompt = self.prompt_length - start
         data = {"rows": [[round(v, 6) for v in row.tolist()] for row in rows], "scales": scales, "prompt": prompt}
         spans = "".join(f'<span class="t{" gen" if i >= prompt else ""}" data-i="{i}">'
@@ -88,9 +105,9 @@ body { font-family: sans-serif; max-width: 60em; margin: 2em auto; line-height: 
 #note { color: #555; font-size: 90%; line-height: 1.4; }
 </style></head><body>
 <p id="note">Hover over (or click) an underlined, generated token: the text before it is coloured by its
-relevance for that token, red for evidence for it, blue against it, each token on the scale of the largest
-relevance after the first (the first token, double underlined, often holds much of it: its value shows on
-hover).</p>
+relevance for that token, red for evidence for it, blue against it, on the scale of the largest relevance
+between the first token and the one before the hovered token (those two, double underlined, often hold much
+of it: their colours saturate, their values show on hover).</p>
 <div id="text">__SPANS__</div>
 <script>
 const data = __DATA__;
@@ -103,7 +120,7 @@ function show(g) {
   const row = data.rows[g], scale = data.scales[g], at = data.prompt + g;
   spans.forEach((s, i) => {
     s.classList.toggle("on", i === at);
-    s.classList.toggle("sink", i === 0);
+    s.classList.toggle("sink", i === 0 || i === at - 1);
     s.style.background = i < at ? colour(row[i] / scale) : "";
     s.title = i < at ? `relevance ${row[i].toPrecision(3)}` : "";
   });
