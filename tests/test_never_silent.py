@@ -459,3 +459,31 @@ def test_a_data_parallel_model_is_explained_through_the_module_it_wraps():
     x = torch.randn(2, 4, dtype=torch.float64)
     torch.testing.assert_close(relprop.LRP(nn.DataParallel(model), LRP0).attribute(x, target=0),
                                relprop.LRP(model, LRP0).attribute(x, target=0), rtol=0, atol=0)
+
+
+class _HookedInside(nn.Module):
+    """A model that registers a gradient hook on an activation in its own forward (as Grad-CAM code does)."""
+
+    def __init__(self, seen: list):
+        super().__init__()
+        self.seen = seen
+        self.a, self.b = nn.Linear(4, 6, bias=False), nn.Linear(6, 2, bias=False)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        h.register_hook(self.seen.append)
+        return self.b(h)
+
+
+def test_a_hook_registered_inside_the_forward_pass_gets_the_relevance_and_is_reported():
+    seen: list = []
+    model = _HookedInside(seen).double().eval()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="hook registered on an activation in module '<root>'.*relevance, not "
+                                         "gradients"):
+        relevance = relprop.LRP(model, relprop.composites.Epsilon(0.0)).attribute(x, target=1)
+    (arriving,) = seen
+    logit = model(x)[:, 1].detach()  # with autograd on: the model registers its hook
+    # bias-free LRP-0 conserves: the relevance at the hidden layer sums to the logit, as at the input
+    assert torch.allclose(arriving.sum(1), logit, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(relevance.sum(1), logit, rtol=1e-10, atol=1e-12)

@@ -1,6 +1,7 @@
 """Routing ops (reshapes, indexing, casts, ``cat``) and metadata: the plain gradient re-routes relevance exactly."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,18 @@ def _run(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     out = func(*args, **kwargs)
     session.aliases.routed(args, kwargs, out)
     return out
+
+
+def _hook(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``Tensor.register_hook`` on an activation: on the tensor the relevance flows through, and said so.
+
+    In relprop's backward pass the hook receives the relevance arriving at
+    the tensor, not its gradient; what it returns replaces that relevance
+    (the conservation guard reports relevance it creates or drops).
+    """
+    warnings.warn(f"relprop: a hook registered on an activation in module '{session.module_name or '<root>'}' "
+                  "during the explained forward pass receives relevance, not gradients", UserWarning, stacklevel=2)
+    return func(*args, **kwargs)
 
 
 #: the rule of a routing op that mixes in constants: its gradient routes relevance exactly
@@ -87,6 +100,7 @@ register(_run, torch_and_tensor("numel is_floating_point is_complex eq ne gt lt 
                       "__index__ __int__ __float__ item tolist __eq__ __ne__ __gt__ __lt__ __ge__ __le__ __format__ "
                       "__repr__ data_ptr"),
           [getattr(Tensor, name).__get__ for name in "shape dtype device ndim requires_grad is_cuda layout grad_fn".split()])
+register(_hook, [Tensor.register_hook])
 register(_run_in_place, lookup(Tensor, "__setitem__ masked_fill_ copy_ zero_ fill_ index_copy_ index_fill_ scatter_ "
                                      "masked_scatter_"))
 
