@@ -89,3 +89,11 @@ class ResidualNet(nn.Module):
         merged = F.avg_pool2d(merged, 2)
         hidden = F.relu(self.fc(torch.flatten(merged, 1)))
         return self.head(hidden.view(hidden.shape[0], -1))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct and its tokenizer, loaded once per worker (the slow tests of a real decoder)."""
+    from relprop.workflows.smollm2 import load_smollm2
+    return load_smollm2()
+

