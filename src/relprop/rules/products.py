@@ -180,9 +180,7 @@ class SignalTakesAll(Rule[Call]):
 
     def prepare(self, call: Call) -> Tensor | None:
         """A matrix product's or a fused attention's ``1 / (z + eps sign z)``."""
-        if is_attention(call) or (is_product(call) and call.matrix):
-            return inverse_denominator(call.output, self.epsilon)
-        return None
+        return inverse_denominator(call.output, self.epsilon) if self.prepares_on(call) else None
 
     def prepares_on(self, call: Call) -> bool:
         # a gated product's signal takes the relevance as it arrives
