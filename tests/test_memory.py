@@ -40,10 +40,18 @@ class _Chain(nn.Module):
         return self.last(torch.tanh(torch.tanh(self.first(x))))
 
 
+def relevance_form(preset):
+    """The preset carrying relevance itself, one node per op, whose rules' flags say what each keeps (AttnLRP and
+    CP-LRP carry relevance per unit of activation by default: ``tests/test_gradient_form.py``)."""
+    composite = relprop.composites.get(preset)
+    composite.gradient_form = False
+    return composite
+
+
 def test_an_op_whose_rule_reads_its_input_shape_alone_keeps_no_input_memory():
     torch.manual_seed(0)
     model, x = _Chain().eval(), torch.randn(8, 16)
-    explained = relprop.LRP(model, "attnlrp").record(x)
+    explained = relprop.LRP(model, relevance_form("attnlrp")).record(x)
     calls = _calls(explained.logits)
     passes = [call for call in calls if call.name == "torch.tanh"]
     assert len(passes) == 2 and all(not call.keeps_inputs for call in passes)
@@ -52,7 +60,7 @@ def test_an_op_whose_rule_reads_its_input_shape_alone_keeps_no_input_memory():
     # output (the last layer's input) and the logits: the first tanh's output is freed
     assert sorted(_held(calls).values()) == sorted([8 * 16 * 4, 8 * 32 * 4, 8 * 32 * 4, 8 * 4 * 4])
     (relevance,) = explained.relevance(relprop.output_relevance(explained.logits, 1))
-    assert torch.equal(relevance, relprop.LRP(model, "attnlrp").attribute(x, target=1))
+    assert torch.equal(relevance, relprop.LRP(model, relevance_form("attnlrp")).attribute(x, target=1))
 
 
 class _Attention(nn.Module):
@@ -73,7 +81,7 @@ def test_rules_that_prepare_for_other_calls_keep_no_output_of_a_gated_product_an
     torch.manual_seed(0)
     model, x = _Attention().eval(), torch.randn(1, 6, 16)
     for preset in ("attnlrp", "cp-lrp"):
-        explained = relprop.LRP(model, preset).record(x)
+        explained = relprop.LRP(model, relevance_form(preset)).record(x)
         calls = _calls(explained.logits)
         (gated,) = [call for call in calls if call.factors == (None, "statistic")]
         assert gated.kept_output is None
@@ -81,4 +89,4 @@ def test_rules_that_prepare_for_other_calls_keep_no_output_of_a_gated_product_an
         graph_output = attention._graph[1]  # what the kernel's autograd node saved for its backward
         assert attention.kept_output.data_ptr() == graph_output.data_ptr()
         (relevance,) = explained.relevance(relprop.output_relevance(explained.logits, (-1, 2)))
-        assert torch.equal(relevance, relprop.LRP(model, preset).attribute(x, target=(-1, 2)))
+        assert torch.equal(relevance, relprop.LRP(model, relevance_form(preset)).attribute(x, target=(-1, 2)))

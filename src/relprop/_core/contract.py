@@ -62,6 +62,11 @@ class Call(Protocol):
     def scratch(self) -> frozenset[int]:
         """Indices of :attr:`inputs` that are copies only the rule reads: it may write into them."""
 
+    @property
+    def vjp_reads_inputs(self) -> bool:
+        """Whether :meth:`vjp` reads the values of :attr:`inputs` (a product's closed form reads the other factor);
+        else it reads the op's autograd graph or its weight alone."""
+
     def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
         """The vector-Jacobian product of the (linearised) op with respect to :attr:`inputs`.
 

@@ -4,14 +4,28 @@ The other rules live in :mod:`relprop.rules`, which exports these too.
 """
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
 
-from relprop._core.contract import Call
+from relprop._core.contract import Call, is_product
 from relprop._core.kinds import OpKind
-from relprop._core.tensors import sum_to
+from relprop._core.tensors import per_unit, sum_to
+
+
+class Reads(NamedTuple):
+    """What a rule's gradient form reads of an op call (:meth:`Rule.gradient_reads`): the engine keeps that alone."""
+
+    #: the op's VJP (``call.vjp``)
+    vjp: bool = False
+    #: the op's output
+    output: bool = False
+    #: the values of the op's inputs
+    inputs: bool = False
+    #: whether the gradient form is ``call.vjp(G)`` and nothing else: where that is the op's own autograd VJP,
+    #: the engine runs the op as plain autograd, with no relevance node
+    native: bool = False
 
 #: the view of an op call that a rule reads (:mod:`relprop.rules`)
 C_contra = TypeVar("C_contra", bound=Call, contravariant=True)
@@ -97,6 +111,22 @@ class Rule(Generic[C_contra]):
         """Return the relevance of each of ``call.inputs`` given the output relevance."""
         raise NotImplementedError
 
+    def gradient_reads(self, call: C_contra) -> Reads | None:
+        """What the rule's gradient form reads of ``call``; None where it has none (the default).
+
+        A rule whose input relevance is ``x * c`` may carry relevance per unit
+        of activation, ``G = R / x``, instead (:mod:`relprop._core.gradient_form`):
+        then :meth:`gradient` maps ``G`` at the output to ``G`` at each input.
+        """
+        return None
+
+    def gradient(self, call: C_contra, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """The rule in gradient form: ``G = R / out`` at the output to ``R_x / x`` at each input.
+
+        Only where :meth:`gradient_reads` says the rule has one.
+        """
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({params})"
@@ -124,8 +154,31 @@ class Pass(Rule[Call]):
     def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         return (sum_to(relevance, call.inputs[0].shape),)
 
+    def gradient_reads(self, call: Call) -> Reads:
+        # an op that scales its input (f(x) = f'(x) x) has the identity rule as its VJP: out / x is f'(x)
+        return Reads(vjp=True, native=True) if _scales(call) else Reads(output=True, inputs=True)
+
+    def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """``G_x = G * out / x``, the ratio of the output to the input; for an op that scales its input, its VJP."""
+        if _scales(call):
+            return call.vjp(grad)
+        (x,) = call.inputs
+        return (per_unit(sum_to(grad * call.output, x.shape), x, owned=True),)
+
     def conserves(self, call: Call) -> bool:
         return True
+
+
+#: elementwise functions with ``f(x) = f'(x) x`` wherever differentiable (positively homogeneous of degree 1)
+_HOMOGENEOUS = frozenset({"neg", "negative", "__neg__", "relu", "abs", "absolute", "__abs__", "leaky_relu", "prelu",
+                          "neg_", "negative_", "relu_", "abs_", "absolute_", "leaky_relu_"})
+
+
+def _scales(call: Call) -> bool:
+    """Whether ``call`` scales its one activation input: ``f(x) = f'(x) x`` (a product with constants, a ReLU)."""
+    if is_product(call):
+        return call.factors[:1] != ("divisor",)
+    return call.kind == OpKind.ELEMENTWISE and getattr(call.func, "__name__", "") in _HOMOGENEOUS
 
 
 def broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:

@@ -55,6 +55,15 @@ def sum_to(tensor: Tensor, shape: torch.Size) -> Tensor:
     return tensor if tensor.shape == shape else tensor.sum_to_size(shape)
 
 
+def per_unit(relevance: Tensor, x: Tensor, owned: bool = False) -> Tensor:
+    """``relevance / x``, the relevance per unit of ``x`` (its gradient form); 0 where ``x`` is 0.
+
+    ``owned``: ``relevance`` is the caller's to overwrite, and the result is written into it.
+    """
+    quotient = relevance.div_(x) if owned and relevance.shape == x.shape else relevance / x
+    return quotient.masked_fill_(x == 0, 0.0)
+
+
 def has_activation(args: tuple, kwargs: dict) -> bool:
     """Whether any argument (or element of a list argument) is an activation."""
     for value in (*args, *kwargs.values()):

@@ -148,6 +148,10 @@ class Composite:
     #: statistic (``x * rsqrt(var)``), a divisor, an exponential weight (``exp(k - max) * v``), attention weights
     #: (a softmax output: LRP-0 of ``A v`` with ``A`` held constant, which conserves; AttnLRP splits it instead)
     gate_kinds: frozenset[str] = GATE_TAGS | {"softmax"}
+    #: whether an attribution carries relevance per unit of activation, ``R / x``, between the ops: for composites
+    #: whose rules are modified gradients (LRP-0, uniform products, the softmax rule), which then run as the ops'
+    #: own VJPs (see ``relprop.engine.Session``); the relevance is the same up to rounding
+    gradient_form: bool = False
 
     def __init__(self, epsilon: float = 1e-6, conv: Rule | None = None, dense: Rule | None = None,
                  first: Mapping[str, Rule] | None = None, layer_map: _TypeMap | None = None,

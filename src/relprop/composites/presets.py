@@ -154,6 +154,7 @@ class AttnLRP(Composite):
     def __init__(self, gamma: float | None = None, epsilon: float = 0.0, **kwargs: Any) -> None:
         linear = rules.Gamma(gamma, stabilizer=epsilon) if gamma is not None else rules.Epsilon(epsilon)
         self.gamma = gamma
+        self.gradient_form = gamma is None  # Gamma has no gradient form
         super().__init__(epsilon, conv=linear, dense=linear, **kwargs)
         self.attention = self._uniform
 

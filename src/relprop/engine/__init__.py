@@ -8,7 +8,8 @@ The engine knows rules only through the :class:`~relprop._core.rule.Rule`
 base: it imports neither :mod:`relprop.rules` nor the op families.
 """
 from relprop._core.errors import ConservationWarning, RuleError, UnhandledOpWarning, UnsupportedOpError
-from relprop.engine.calls import AddCall, InPlaceSumCall, OpCall
+from relprop.engine.calls import OpCall
+from relprop.engine.sums import AddCall, InPlaceSumCall
 from relprop.engine.context import ModuleContext
 from relprop.engine.nodes import is_relevance_node, propagate, substitute, tap, watch, write_into
 from relprop.engine.parametric import ParametricCall, Workspace, model_input, routed_image

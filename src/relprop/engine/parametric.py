@@ -323,6 +323,20 @@ class ParametricCall(OpCall):
         return (transpose(grad * self._output_shape(self._batch_norm[0])),)
 
     @property
+    def plain(self) -> bool:
+        return self._batch_norm is None and super().plain and not self._head
+
+    @property
+    def _head(self) -> bool:
+        """Whether this is a dense layer much wider than its input on a CPU, as a language model's vocabulary head.
+
+        The relevance reaching such a layer is most often one logit: its node's transposed product skips the zeros
+        (``relprop.ops.dense_transpose``), where plain autograd would multiply them all.
+        """
+        weight = self._weight
+        return self.kind == OpKind.DENSE and weight.device.type == "cpu" and weight.shape[0] >= 8 * weight.shape[-1]
+
+    @property
     def merges_batch_norm(self) -> bool:
         """Whether a BatchNorm that follows can be merged in (:meth:`merge_batch_norm`): the weight indexes the
         output channels along one dimension (not a grouped transposed convolution)."""

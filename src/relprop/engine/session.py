@@ -27,6 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from relprop._core.contract import Call
 from relprop._core.errors import RuleError, UnhandledOpWarning, UnsupportedOpError
+from relprop._core.gradient_form import Converted, InGradientForm, in_gradient_form
 from relprop._core.kinds import OpKind
 from relprop._core.registry import ALWAYS_HANDLED, HANDLERS, op_name, resolve
 from relprop._core.rule import Gradient, Pass, Rule, broadcasts_to
@@ -78,6 +79,11 @@ def _custom_function(node_type: type) -> type | None:
     if not isinstance(function, type) or function.__module__.split(".", 1)[0] == "relprop":
         return None
     return function
+
+
+class GradientFormUnavailable(RuntimeError):
+    """The forward pass met what relevance per unit of activation cannot cross (a custom autograd Function, an op
+    explained as another output): it is explained again with relevance itself."""
 
 
 class FunctionCall:
@@ -157,12 +163,25 @@ class Session(Guard, TorchFunctionMode):
     reusable : bool
         Every op call serves several backward passes (many seeds from one
         forward pass): it keeps what it holds, and its rule writes nothing in place.
+    gradient_form : bool
+        Carry relevance per unit of activation, ``R / x``, between the ops
+        (:mod:`relprop._core.gradient_form`): rules with a gradient form run as
+        the op's own VJP, others are converted on both sides. What reaches the
+        model's inputs (and what the seed must be) is then per unit too, and the
+        guard checks the ops for NaN and infinities only.
     """
 
     def __init__(self, model: nn.Module, composite: RuleSource, strict: bool = False,
                  taps: Mapping[nn.Module, Any] | None = None, audit: Callable[..., None] | None = None,
-                 token_inputs: tuple[Tensor, ...] = (), guard: bool = True, reusable: bool = False):
+                 token_inputs: tuple[Tensor, ...] = (), guard: bool = True, reusable: bool = False,
+                 gradient_form: bool = False):
         super().__init__()
+        #: relevance per unit of activation flows between the ops (see the class's parameters)
+        self.gradient_form = gradient_form
+        # what flows backward in gradient form is no relevance whose total the ops account for
+        self.accounts = self.accounts and not gradient_form
+        #: one gradient-form wrapper per rule and what it reads (:func:`~relprop._core.gradient_form.in_gradient_form`)
+        self._in_gradient_form: dict[Any, Any] = {}
         #: op calls serve several backward passes (:attr:`~relprop.engine.OpCall.reusable`)
         self.reusable = reusable
         self.composite = composite
@@ -310,6 +329,18 @@ class Session(Guard, TorchFunctionMode):
         if rule is None:
             rule, source = self.rule_for(call)
         call.reusable = self.reusable
+        if self.gradient_form and rule is not None:
+            if not call.explains_its_output:  # relevance per unit of the model's output is no unit of the rule's
+                raise GradientFormUnavailable(f"relprop: {call.describe()} is explained as another output")
+            rule = in_gradient_form(rule, call, self._in_gradient_form)
+            if isinstance(rule, InGradientForm) and rule.native and call.plain:
+                # the relevance per unit is the op's own gradient: plain autograd carries it, no node
+                out = call.call_with(call.func, call.activations)
+                call.output = out.detach()
+                self._check_accepts(call, rule, source)
+                return out
+            # a converted rule reads the output and inputs as they came: it must write into neither
+            call.reusable = call.reusable or isinstance(rule, Converted)
         # entries an in-place ReLU set to 0 among the inputs: of interest unless they get no relevance
         zeroed = self.aliases.zeroed_for(call, rule)
         if rule is None:  # winner-take-all: the gradient is the rule
@@ -317,15 +348,20 @@ class Session(Guard, TorchFunctionMode):
             self.aliases.carry_zeros(zeroed, out)
             return out
         out = propagate(call, rule, self._observe if self.guard else self.audit)
-        if not rule.accepts(call):
-            shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
-            raise RuleError(f"relprop: rule {rule!r} ({source}) cannot apply to {call.describe()} (op kind "
-                            f"'{call.kind}', input shapes {shapes}, output shape {tuple(call.output.shape)})")
+        self._check_accepts(call, rule, source)
         if zeroed:
             self.aliases.follow_zeros(call, rule, zeroed, out)
         call.settle()
         self.aliases.recorded(call, out)
         return out
+
+    @staticmethod
+    def _check_accepts(call: OpCall, rule: Rule, source: str) -> None:
+        """Raise :class:`~relprop.RuleError` if ``rule`` (from ``source``) cannot apply to ``call``, which has run."""
+        if not rule.accepts(call):
+            shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
+            raise RuleError(f"relprop: rule {rule!r} ({source}) cannot apply to {call.describe()} (op kind "
+                            f"'{call.kind}', input shapes {shapes}, output shape {tuple(call.output.shape)})")
 
     def unknown(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """An op without a rule: its plain gradient, reported if relevance flows through it."""
@@ -357,6 +393,8 @@ class Session(Guard, TorchFunctionMode):
             node = value.grad_fn
             if node is None or (function := _custom_function(type(node))) is None or hasattr(node, "_relprop_seen"):
                 continue
+            if self.gradient_form:  # its backward cannot be told the values a conversion needs
+                raise GradientFormUnavailable(f"relprop: custom autograd Function {function.__qualname__}")
             setattr(node, "_relprop_seen", True)  # a Function's node is its ctx: it takes attributes
             rule = self.composite.function_rule(function)
             call = FunctionCall(function, module_name, rule if rule is not None else _Unhandled(self))

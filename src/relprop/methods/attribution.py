@@ -5,6 +5,7 @@ import functools
 import gc
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
@@ -13,7 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from relprop import composites
-from relprop.engine.session import Session
+from relprop._core.errors import ConservationWarning
+from relprop._core.tensors import per_unit
+from relprop.engine.session import GradientFormUnavailable, Session
 from relprop.methods._inputs import Inputs, Target, as_tuple, forward_arguments
 from relprop.methods.adapters import hold_selective_parameters
 from relprop.methods.targets import convergence_delta, model_logits, output_relevance
@@ -200,9 +203,10 @@ class LRP(Attribution):
 
     @contextmanager
     def _session(self, taps: Any = None, audit: Any = None, token_inputs: tuple[Tensor, ...] = (),
-                 reusable: bool = False) -> Iterator[Session]:
+                 reusable: bool = False, gradient_form: bool = False) -> Iterator[Session]:
         session = self.session_class(self.model, self.composite, self.strict, taps=taps, audit=audit,
-                                     token_inputs=token_inputs, guard=self.guard, reusable=reusable)
+                                     token_inputs=token_inputs, guard=self.guard, reusable=reusable,
+                                     gradient_form=gradient_form)
         with torch.enable_grad(), session.active(), hold_selective_parameters(self.model):
             yield session
 
@@ -243,11 +247,21 @@ class LRP(Attribution):
         extra, keywords = forward_arguments(additional_forward_args)
         leaves = tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs)
         tokens = tuple(x for x in leaves if not x.is_floating_point())
-        with self._session(taps, audit, tokens, reusable) as session:
-            # the model sees copies, so that in-place ops on its inputs are allowed
-            output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra, **keywords)
+        # relevance per unit of activation where the composite's rules are modified gradients (AttnLRP, CP-LRP),
+        # and nothing reads the relevance of single ops (taps, the audit)
+        gradient_form = (getattr(self.composite, "gradient_form", False) and taps is None and audit is None
+                         and self.session_class is Session)
+        while True:
+            try:
+                with self._session(taps, audit, tokens, reusable, gradient_form) as session:
+                    # the model sees copies, so that in-place ops on its inputs are allowed
+                    output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra, **keywords)
+                break
+            except GradientFormUnavailable:  # once more, carrying relevance itself
+                gradient_form = False
         embeddings = {_position(leaves, tokens[i]): found for i, found in session.embeddings.items()}
-        return ForwardPass(leaves, model_logits(output), embeddings, reusable, session if self.guard else None)
+        return ForwardPass(leaves, model_logits(output), embeddings, reusable, session if self.guard else None,
+                           gradient_form)
 
     @_eager
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,
@@ -279,11 +293,13 @@ class LRP(Attribution):
         with torch.inference_mode(False), cyclic_gc_paused():
             explained = self.record(inputs, additional_forward_args, reusable=False)
             seed = output_relevance(explained.logits, target)
-            relevance = explained.relevance(seed)
+            # the seed's total per example, before the pass may take the seed over
+            total = seed.reshape(seed.shape[0] if seed.dim() else 1, -1).sum(1) if return_convergence_delta else None
+            relevance = explained.propagate(seed, owned=True)
         result = relevance[0] if isinstance(inputs, Tensor) else relevance
-        if not return_convergence_delta:
+        if total is None:
             return result
-        return result, convergence_delta(seed, relevance)
+        return result, convergence_delta(total, relevance)
 
     def compute_convergence_delta(self, attributions: Inputs, output: Tensor) -> Tensor:
         """``output - attributions' total`` per example, as captum's ``LRP`` computes it.
@@ -330,9 +346,11 @@ class ForwardPass:
     """
 
     def __init__(self, inputs: tuple[Tensor, ...], logits: Tensor, embeddings: dict[int, list[Tensor]],
-                 reusable: bool = False, session: Session | None = None):
+                 reusable: bool = False, session: Session | None = None, gradient_form: bool = False):
         self.inputs = inputs
         self.logits = logits
+        #: whether the pass carries relevance per unit of activation (``Session(gradient_form=True)``)
+        self.gradient_form = gradient_form
         #: whether it carries relevance any number of times (see :meth:`LRP.record`)
         self.reusable = reusable
         self._embeddings = embeddings
@@ -342,6 +360,11 @@ class ForwardPass:
     @_eager
     def relevance(self, seed: Tensor) -> tuple[Tensor, ...]:
         """Propagate ``seed`` from the logits: the relevance of each input."""
+        return self.propagate(seed)
+
+    def propagate(self, seed: Tensor, owned: bool = False) -> tuple[Tensor, ...]:
+        """:meth:`relevance`; ``owned``: the seed is the caller's to overwrite (in gradient form it is, with its
+        value per unit of the logits)."""
         explained = [x for x in self.inputs if x.requires_grad]
         embedded = [leaf for leaves in self._embeddings.values() for leaf in leaves]
         if (explained or embedded) and not self.logits.requires_grad:
@@ -352,8 +375,10 @@ class ForwardPass:
             self._session = None
         if session is not None and (explained or embedded):
             session.defer_check()  # checked below with the seed and the inputs' relevance, in one read
-        found = (torch.autograd.grad(self.logits, explained + embedded, seed, allow_unused=True,
+        found = (torch.autograd.grad(self.logits, explained + embedded, self._carried(seed, owned), allow_unused=True,
                                      retain_graph=self.reusable) if explained or embedded else ())
+        if self.gradient_form:  # per unit of each leaf: its relevance is the leaf times that
+            found = tuple(None if g is None else g * leaf.detach() for g, leaf in zip(found, explained + embedded))
         if session is not None and (explained or embedded):
             session.check_pass(seed, [g for g in found if g is not None])
         grads = iter(found)
@@ -371,6 +396,32 @@ class ForwardPass:
                     tokens = tokens + grad.sum(-1).reshape(x.shape)
             relevance.append(tokens)
         return tuple(relevance)
+
+    def _carried(self, seed: Tensor, owned: bool) -> Tensor:
+        """What the backward pass starts from: the seed, or in gradient form the seed per unit of the logits.
+
+        ``owned``: the seed may be overwritten. A seed entry at a logit of exactly 0 has no such form: it is lost,
+        with a warning.
+        """
+        if not self.gradient_form:
+            return seed
+        logits = self.logits.detach()
+        if seed.dtype != logits.dtype or not seed.is_contiguous():
+            seed, owned = seed.to(logits.dtype, memory_format=torch.contiguous_format), True
+        if torch.count_nonzero(seed) * 64 > seed.numel():
+            lost = ((logits == 0) & (seed != 0)).any()
+            carried = per_unit(seed, logits, owned)
+        else:  # a few targets among many outputs (a vocabulary): only those are divided, in place where allowed
+            flat = seed.view(-1)
+            where = flat.nonzero().squeeze(1)
+            at = logits.reshape(-1)[where]
+            lost = (at == 0).any()
+            carried = (flat if owned else torch.zeros_like(flat)).index_put_((where,), per_unit(flat[where], at))
+        if lost:
+            warnings.warn("relprop: the seed gives relevance to outputs of value 0, which relevance per unit of "
+                          "activation cannot carry; it is lost (explain with a composite without gradient_form)",
+                          ConservationWarning, stacklevel=4)
+        return carried.view_as(self.logits)
 
     def relevances(self, seeds: Tensor) -> tuple[Tensor, ...]:
         """The relevance of each input for each of ``seeds`` (a leading seed dimension): one backward pass each.

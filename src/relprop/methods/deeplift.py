@@ -144,8 +144,8 @@ class _DeepLiftLRP(LRP):
 
     @contextmanager
     def _session(self, taps: Any = None, audit: Any = None, token_inputs: tuple[Tensor, ...] = (),
-                 reusable: bool = False) -> Iterator[Session]:
-        with super()._session(taps, audit, token_inputs, reusable) as session:
+                 reusable: bool = False, gradient_form: bool = False) -> Iterator[Session]:
+        with super()._session(taps, audit, token_inputs, reusable, gradient_form) as session:
             self.last_session: _DeepLiftSession = session  # type: ignore[assignment]
             yield session
 

@@ -38,6 +38,10 @@ class AttentionCall(OpCall):
         # a float mask computed from activations (SAM's decomposed relative positions) is a score term too
         self._roles = [key for key in SDPA_TENSORS if is_activation(bound.get(key))]
 
+    @property
+    def explains_its_output(self) -> bool:
+        return self._linearised is self.func
+
     def _explained_output(self, value: Tensor) -> Tensor:
         # with dropout, the rule explains the attention of its graph without dropout: that graph's output
         if self._graph is not None and self._linearised is not self.func:

@@ -26,6 +26,8 @@ class OpHost(Protocol):
     workspace: Workspace
     #: tap output -> its record (a BatchNorm merged across a tap keeps it)
     tapped: Any
+    #: whether relevance per unit of activation flows between the ops (``relprop._core.gradient_form``)
+    gradient_form: bool
 
     @property
     def module_name(self) -> str:

@@ -11,7 +11,7 @@ from relprop._core.registry import Handler, op_name
 from relprop._core.rule import Pass
 from relprop._core.signatures import bind, bind_builtin
 from relprop._core.tensors import is_activation
-from relprop.engine.calls import InPlaceSumCall
+from relprop.engine.sums import InPlaceSumCall
 from relprop.engine.nodes import write_into
 from relprop.engine.tracking import aliases
 from relprop.ops.host import OpHost
@@ -23,10 +23,14 @@ def _in_place_pass(session: OpHost, func: Callable, args: tuple, kwargs: dict, h
     The rule then reads nothing but the input's shape, so the op may overwrite
     its input as in the plain model: no new tensor, no copy back. This is the
     in-place ReLU of most CNNs. The output gets the tag ``handler`` would give it.
+    In gradient form Pass reads the input (``G_x = G * out / x``), unless the op scales its input (a ReLU):
+    there its gradient form is the op's own gradient, which autograd takes in place as the plain model does.
     """
     call = session.record(OpKind.ELEMENTWISE, func, args, kwargs)
     rule, source = session.rule_for(call)
     if len(call.inputs) != 1 or type(rule) is not Pass:
+        return None
+    if session.gradient_form and not getattr(rule.gradient_reads(call), "native", False):
         return None
     zeroed = session.aliases.in_place_relu(call)
     out = session.run(call, rule, source)

@@ -116,6 +116,7 @@ class ProductCall(OpCall):
         #: before the backward pass would go unnoticed (autograd's saved tensor raises then)
         self._elementwise = (func in _MULTIPLY and not kwargs and self._spec is None and plain_binary(args)
                              and len(self._slots) == sum(isinstance(a, Tensor) for a in args))
+        self.vjp_reads_inputs = self._elementwise
 
     def _needs_graph(self) -> bool:
         return not self._elementwise and super()._needs_graph()

@@ -11,7 +11,8 @@ from torch import Tensor
 
 from relprop._core.kinds import OpKind
 from relprop._core.registry import ROUTING_HANDLERS, lookup, register, torch_and_tensor
-from relprop._core.rule import Gradient
+from relprop._core.contract import Call
+from relprop._core.rule import Gradient, Reads
 from relprop._core.tensors import is_activation
 from relprop.ops.host import OpHost
 
@@ -39,8 +40,17 @@ def _hook(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
-#: the rule of a routing op that mixes in constants: its gradient routes relevance exactly
-_ROUTES = Gradient()
+class _Routes(Gradient):
+    """The rule of a routing op that mixes in constants: its gradient routes relevance exactly, in either form."""
+
+    def gradient_reads(self, call: Call) -> Reads:
+        return Reads(vjp=True, native=True)
+
+    def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return call.vjp(grad)
+
+
+_ROUTES = _Routes()
 
 
 def _combine(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:

@@ -12,7 +12,8 @@ from relprop._core.kinds import OpKind
 from relprop._core.registry import Handler, lookup, op_name, register, torch_and_tensor
 from relprop._core.signatures import bind, bind_builtin
 from relprop._core.tensors import constant, is_activation, plain_binary
-from relprop.engine.calls import AddCall, OpCall
+from relprop.engine.calls import OpCall
+from relprop.engine.sums import AddCall
 from relprop.ops.host import OpHost
 from relprop.ops.inplace import _in_place, _in_place_sum
 from relprop.ops.routing import _run, _run_in_place

@@ -6,8 +6,8 @@ from torch import Tensor
 
 from relprop._core.contract import Call, is_parametric
 from relprop._core.kinds import OpKind
-from relprop._core.rule import Rule
-from relprop.rules.stabilizers import inverse_denominator
+from relprop._core.rule import Reads, Rule
+from relprop.rules.stabilizers import exact, inverse_denominator, per_unit_ratio
 
 #: Op kinds that are linear in their activation inputs.
 LINEAR_KINDS = frozenset({OpKind.CONV, OpKind.DENSE, OpKind.BATCHNORM, OpKind.SUM, OpKind.NORM})
@@ -64,6 +64,25 @@ class Epsilon(Rule[Call]):
         return tuple(None if c is None else c.mul_(x) if owned and i == last else
                      x.mul_(c) if i in call.scratch and c.shape == x.shape else x * c
                      for i, (x, c) in enumerate(zip(call.inputs, grads)))
+
+
+    def _stabilised(self, call: Call) -> bool:
+        return self.zero_bias or not exact(self.epsilon, call.inputs[0].dtype)
+
+    def gradient_reads(self, call: Call) -> Reads:
+        # LRP-0 in gradient form is the op's own VJP: nothing of the call is kept but its autograd graph
+        stabilised = self._stabilised(call)
+        return Reads(vjp=True, output=stabilised, native=not stabilised)
+
+    def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """``G_x = VJP(G * z / (z + eps sign z))``: the op's VJP of ``G``, for LRP-0 ``G`` itself."""
+        if self._stabilised(call):
+            z = call.output
+            without_bias = z - call.bias_term() if self.zero_bias and is_parametric(call) and call.bias is not None \
+                else None
+            ratio = per_unit_ratio(z, self.epsilon, without_bias)
+            grad = grad if ratio is None else grad * ratio
+        return call.vjp(grad)
 
 
 class Norm(Epsilon):

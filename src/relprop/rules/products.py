@@ -8,10 +8,10 @@ from torch import Tensor
 
 from relprop._core.contract import AttentionView, Call, ProductView, SoftmaxView, is_attention, is_product
 from relprop._core.kinds import GATE_TAGS
-from relprop._core.rule import Rule
+from relprop._core.rule import Reads, Rule
 from relprop._core.sdpa import attention_weights, head_groups, repeat_heads, softmax_scale
 from relprop._core.tensors import sum_to
-from relprop.rules.stabilizers import inverse_denominator
+from relprop.rules.stabilizers import exact, inverse_denominator, per_unit_ratio
 
 
 def attention_relevance(call: AttentionView, relevance: Tensor, values_only: bool) -> tuple[Tensor | None, ...]:
@@ -35,17 +35,36 @@ def attention_relevance(call: AttentionView, relevance: Tensor, values_only: boo
     backward of the kernel's autograd graph kept from the forward pass, which
     saved what the kernel's backward needs: the kernel does not run again.
     """
-    roles = call.roles
-    factors = [role for role in ("query", "key") if role in roles]
-    values_only = values_only or not (factors or "attn_mask" in roles)
-    # each argument's share of its x * VJP: q k^T's half of the relevance split over its activation factors
-    shares: dict[str, float] = {"value": 1.0} if values_only else {
-        "value": 0.5, "attn_mask": 0.5, **dict.fromkeys(factors, 0.5 / max(len(factors), 1))}
-    if not any(role in shares for role in roles):
-        return (None,) * len(roles)
+    shares = _attention_shares(call, values_only)
+    if not any(role in shares for role in call.roles):
+        return (None,) * len(call.roles)
     grads = call.vjp(relevance * call.prepared)
     return tuple(grad.mul_(x).mul_(shares[role]) if role in shares and grad is not None else None
-                 for role, x, grad in zip(roles, call.inputs, grads))
+                 for role, x, grad in zip(call.roles, call.inputs, grads))
+
+
+def _attention_shares(call: AttentionView, values_only: bool) -> dict[str, float]:
+    """Each activation argument's share of its ``x * VJP``: q k^T's half of the relevance split over its factors."""
+    roles = call.roles
+    factors = [role for role in ("query", "key") if role in roles]
+    if values_only or not (factors or "attn_mask" in roles):
+        return {"value": 1.0}
+    return {"value": 0.5, "attn_mask": 0.5, **dict.fromkeys(factors, 0.5 / max(len(factors), 1))}
+
+
+def attention_gradient(call: AttentionView, grad: Tensor, values_only: bool) -> tuple[Tensor | None, ...]:
+    """:func:`attention_relevance` in gradient form: the fused kernel's VJP of ``G``, each argument's by its share."""
+    shares = _attention_shares(call, values_only)
+    if not any(role in shares for role in call.roles):
+        return (None,) * len(call.roles)
+    return tuple(g.mul_(shares[role]) if role in shares and g is not None else None
+                 for role, g in zip(call.roles, call.vjp(grad)))
+
+
+def _stabilised(call: Call, grad: Tensor, epsilon: float) -> Tensor:
+    """``G`` scaled by ``z / (z + eps sign z)`` for a rule that divides by the output ``z`` (gradient form)."""
+    ratio = per_unit_ratio(call.output, epsilon)
+    return grad if ratio is None else grad * ratio
 
 
 def recomputed_attention_relevance(call: AttentionView, relevance: Tensor,
@@ -113,6 +132,20 @@ class UniformProduct(Rule[Call]):
         if is_attention(call):
             return attention_relevance(call, relevance, values_only=False)
         return tuple(None if c is None else x * c for x, c in zip(call.inputs, call.vjp(relevance * call.prepared)))
+
+    def gradient_reads(self, call: Call) -> Reads | None:
+        if not (is_attention(call) or is_product(call)):
+            return None
+        return Reads(vjp=True, output=not exact(self.epsilon, call.inputs[0].dtype))
+
+    def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """Each factor's VJP of ``G``, divided by the number of factors; attention's as :func:`attention_gradient`."""
+        if not exact(self.epsilon, call.inputs[0].dtype):
+            grad = _stabilised(call, grad, self.epsilon)
+        if is_attention(call):
+            return attention_gradient(call, grad, values_only=False)
+        k = len(call.inputs)
+        return tuple(None if c is None else c / k for c in call.vjp(grad))
 
 
 class SignalTakesAll(Rule[Call]):
@@ -201,6 +234,18 @@ class SignalTakesAll(Rule[Call]):
         # gate * signal elementwise: the signal's share is all of it
         return tuple(None if gate else sum_to(relevance, x.shape) for x, gate in zip(call.inputs, gates))
 
+    def gradient_reads(self, call: Call) -> Reads:
+        return Reads(vjp=True, output=self.prepares_on(call) and not exact(self.epsilon, call.inputs[0].dtype))
+
+    def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """The signal's VJP of ``G`` with the gates held constant (its relevance all of the output's); gates none."""
+        if self.prepares_on(call) and not exact(self.epsilon, call.inputs[0].dtype):
+            grad = _stabilised(call, grad, self.epsilon)
+        if is_attention(call):
+            return attention_gradient(call, grad, values_only=True)
+        assert is_product(call)  # accepts() took only products and attention
+        return tuple(None if gate or c is None else c for c, gate in zip(call.vjp(grad), self.gates(call)))
+
 
 class Softmax(Rule[SoftmaxView]):
     """Softmax inside the model (AttnLRP): ``R_x = x * (R - s * sum(R))`` along the softmax dimension.
@@ -220,3 +265,10 @@ class Softmax(Rule[SoftmaxView]):
         taylor = relevance.to(s.dtype) - s * relevance.to(s.dtype).sum(call.dim, keepdim=True)
         out = torch.where(torch.isfinite(x), x * taylor.to(x.dtype), 0.0)
         return (out,)
+
+    def gradient_reads(self, call: SoftmaxView) -> Reads:
+        return Reads(vjp=True, native=True)
+
+    def gradient(self, call: SoftmaxView, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """Gradient x Input in gradient form: the softmax's own VJP of ``G`` (0 at masked entries, where ``s = 0``)."""
+        return call.vjp(grad)

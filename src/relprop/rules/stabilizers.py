@@ -48,3 +48,19 @@ def inverse_denominator(z: Tensor, epsilon: float, in_place: bool = False) -> Te
     # copysign(eps, 0.0) = +eps; the rare -0.0 gets -eps, the same magnitude. One new tensor, written in place:
     # on large tensors every fresh allocation costs page faults
     return torch.copysign(z.new_full((), epsilon), z).add_(z).reciprocal_()
+
+
+def per_unit_ratio(z: Tensor, epsilon: float, denominator_of: Tensor | None = None) -> Tensor | None:
+    """``z / (d + eps sign d)`` (``d`` is ``denominator_of``, else ``z``): what the epsilon rule scales ``R / z`` by.
+
+    In gradient form (relevance per unit of activation, ``G = R / z``) the epsilon rule's ``R / (z + eps sign z)``
+    is ``G`` times this ratio; None where it is 1 (no stabiliser, ``d = z``), as for LRP-0 except at ``z = 0``.
+    """
+    if denominator_of is None and _stabilizer(epsilon, z.dtype) == 0:
+        return None
+    return inverse_denominator(z if denominator_of is None else denominator_of, epsilon).mul_(z)
+
+
+def exact(epsilon: float, dtype: torch.dtype) -> bool:
+    """Whether the stabiliser ``epsilon`` is 0 in ``dtype`` (at least machine epsilon in float16 and bfloat16)."""
+    return _stabilizer(epsilon, dtype) == 0

@@ -1,0 +1,109 @@
+"""Relevance per unit of activation: rules that are modified gradients, run as gradients.
+
+Every rule of AttnLRP and CP-LRP hands an input relevance of the form
+``R_x = x * c``: LRP-0 of a linear map is ``x * VJP(R / z)``, a uniform split
+``x * VJP(R / z) / k``, the softmax rule Gradient x Input. Carried as
+``G = R / x`` (the *gradient form*) instead of ``R``, the relevance moves
+between such ops as a gradient does: LRP-0 is then the op's own VJP of ``G``,
+with no ``1 / z``, no ``x * c`` and no kept output or input, and the relevance
+of a tensor ``t`` is ``t * G`` wherever it is read (the model's inputs, the
+token embeddings). :class:`InGradientForm` runs a rule's gradient form;
+:class:`Converted` runs a rule that has none between neighbours that carry
+``G`` (``R = out * G`` in, ``G = R / x`` out).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from relprop._core.contract import Call
+from relprop._core.rule import Reads, Rule
+from relprop._core.tensors import per_unit
+
+
+class InGradientForm(Rule[Call]):
+    """``rule`` in gradient form: ``propagate`` maps ``G`` at the output to ``G`` at each input (``rule.gradient``).
+
+    Every input relevance is then ``x * G``: an input entry of 0 gets none. The guard checks what such a rule
+    hands on for NaN and infinities; relevance totals are not at hand, so no conservation is checked.
+    """
+
+    prepares = False
+    zero_for_zero_input = True
+
+    def __init__(self, rule: Rule, reads: Reads):
+        self.rule = rule
+        self.kinds = rule.kinds
+        self.needs_vjp, self.needs_output, self.needs_inputs, self.native = reads
+
+    def accepts(self, call: Call) -> bool:
+        return self.rule.accepts(call)
+
+    @property
+    def fills_zeros(self) -> bool:
+        return self.rule.fills_zeros
+
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        return self.rule.gradient(call, relevance)
+
+    def __repr__(self) -> str:
+        return repr(self.rule)
+
+
+class Converted(Rule[Call]):
+    """``rule``, which has no gradient form, between neighbours in gradient form.
+
+    ``R = out * G`` arrives, ``rule`` propagates it, and each input gets
+    ``R_x / x`` (0 where ``x`` is 0: relevance a rule gives to inputs of value 0
+    has no gradient form, and is lost there). The call keeps its output and
+    inputs as they are (it is run as reusable: the rule writes into neither).
+    """
+
+    needs_output = True
+    needs_inputs = True
+    zero_for_zero_input = True
+
+    def __init__(self, rule: Rule):
+        self.rule = rule
+        self.kinds = rule.kinds
+        self.needs_vjp = rule.needs_vjp
+        self.prepares = rule.prepares
+
+    def accepts(self, call: Call) -> bool:
+        return self.rule.accepts(call)
+
+    def prepares_on(self, call: Call) -> bool:
+        return self.rule.prepares_on(call)
+
+    def prepare(self, call: Call) -> Tensor | None:
+        return self.rule.prepare(call)
+
+    @property
+    def fills_zeros(self) -> bool:
+        return self.rule.fills_zeros
+
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        result = self.rule.propagate(call, relevance * call.output)
+        return tuple(None if r is None else per_unit(r, x) for r, x in zip(result, call.inputs))
+
+    def __repr__(self) -> str:
+        return repr(self.rule)
+
+
+def in_gradient_form(rule: Rule, call: Call, cache: dict[Any, tuple[Rule, Rule]]) -> Rule:
+    """The form of ``rule`` that carries relevance per unit of activation through ``call``.
+
+    ``cache`` holds one wrapper per rule and what it reads, so that op calls share them (with the rule, so that
+    its id stays its own).
+    """
+    if isinstance(rule, (InGradientForm, Converted)):  # a merged BatchNorm takes its producer's rule
+        rule = rule.rule
+    reads = rule.gradient_reads(call)
+    if reads is not None and reads.vjp and call.vjp_reads_inputs:
+        reads = reads._replace(inputs=True)
+    key = (id(rule), reads)
+    wrapper = cache.get(key)
+    if wrapper is None:
+        wrapper = cache[key] = (InGradientForm(rule, reads) if reads is not None else Converted(rule), rule)
+    return wrapper[0]

@@ -1,0 +1,216 @@
+"""Relevance per unit of activation (the gradient form of AttnLRP and CP-LRP) against relevance itself.
+
+The presets whose rules are modified gradients carry ``R / x`` between the ops and run LRP-0 layers as plain
+autograd (``relprop._core.gradient_form``); the same composite with ``gradient_form = False`` carries the
+relevance through one node per op. Both must give the same relevance: to float64 rounding where the model
+computes in float64 throughout, to float32 rounding where it casts (Llama's RMSNorm and rotary embeddings).
+"""
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import relprop
+from relprop.engine import nodes
+
+transformers = pytest.importorskip("transformers")
+
+
+def both_forms(preset, **kwargs):
+    """The preset as it is (gradient form) and the same preset carrying relevance itself."""
+    relevance_form = relprop.composites.get(preset, **kwargs)
+    relevance_form.gradient_form = False
+    return relprop.composites.get(preset, **kwargs), relevance_form
+
+
+class Decoder(nn.Module):
+    """A decoder block written out in float64: RMSNorm, rotary embedding, attention, a gated MLP, a head.
+
+    ``fused``: ``F.scaled_dot_product_attention``; else the softmax of ``q k^T`` written out (eager).
+    """
+
+    def __init__(self, fused, vocab=40, width=16, heads=2):
+        super().__init__()
+        self.fused, self.heads = fused, heads
+        self.embed = nn.Embedding(vocab, width)
+        self.norm = nn.Parameter(torch.rand(width) + 0.5)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.out = nn.Linear(width, width)
+        self.gate, self.up = nn.Linear(width, 2 * width), nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.act = nn.SiLU()
+        self.head = nn.Linear(width, vocab, bias=False)
+        angles = torch.arange(8)[:, None] * torch.linspace(0.1, 1.0, width // heads // 2)
+        self.register_buffer("cos", torch.cat([angles.cos()] * 2, -1))
+        self.register_buffer("sin", torch.cat([angles.sin()] * 2, -1))
+
+    def rotate(self, x):
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        T = x.shape[-2]
+        return x * self.cos[:T] + rotated * self.sin[:T]
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        B, T, _ = h.shape
+        q, k, v = self.qkv(normed).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = self.rotate(q), self.rotate(k)
+        if self.fused:
+            z = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+            causal = torch.ones(T, T, dtype=torch.bool).tril()
+            z = torch.softmax(scores.masked_fill(~causal, -math.inf), -1) @ v
+        h = h + self.out(z.transpose(1, 2).flatten(2))
+        h = h + self.down(self.act(self.gate(h)) * self.up(h))
+        return self.head(h)
+
+
+IDS = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "eager"])
+@pytest.mark.parametrize("preset", ["attnlrp", "cp-lrp"])
+def test_the_gradient_form_equals_the_relevance_form_in_float64(preset, fused):
+    torch.manual_seed(0)
+    model = Decoder(fused).double().eval()
+    gradient_form, relevance_form = both_forms(preset)
+    found = [relprop.LRP(model, composite).attribute(IDS, target=(-1, 3), return_convergence_delta=True)
+             for composite in (gradient_form, relevance_form)]
+    (relevance, delta), (expected, expected_delta) = found
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12 * expected.abs().max().item())
+    torch.testing.assert_close(delta, expected_delta, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("preset", ["attnlrp", "cp-lrp"])
+@pytest.mark.parametrize("name", ["llama", "bert", "gpt2"])
+def test_the_gradient_form_equals_the_relevance_form_on_hugging_face_models(name, preset):
+    """Llama computes RMSNorm and the rotary embedding in float32: the two forms round differently there."""
+    T = transformers
+    configs = {"llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(num_key_value_heads=2), (-1, 5)),
+               "bert": (T.BertConfig, T.BertForSequenceClassification, {}, 1),
+               "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, {}, (-1, 5))}
+    config_class, model_class, extra, target = configs[name]
+    if name == "gpt2":
+        config = config_class(vocab_size=50, n_embd=16, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    else:
+        config = config_class(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=32, **extra)
+    torch.manual_seed(0)
+    model = model_class(config).double().eval()
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    relevance, expected = (relprop.LRP(model, composite).attribute(ids, target=target)
+                           for composite in both_forms(preset))
+    rtol = 1e-6 if name == "llama" else 1e-12
+    torch.testing.assert_close(relevance, expected, rtol=rtol, atol=rtol * expected.abs().max().item())
+
+
+def test_many_seeds_from_one_recorded_pass_in_gradient_form():
+    torch.manual_seed(0)
+    model = Decoder(fused=True).double().eval()
+    gradient_form, relevance_form = both_forms("attnlrp")
+    explained = relprop.LRP(model, gradient_form).record(IDS)
+    assert explained.gradient_form
+    for token in (3, 11):
+        seed = relprop.output_relevance(explained.logits, (-1, token))
+        (relevance,) = explained.relevance(seed)
+        expected = relprop.LRP(model, relevance_form).attribute(IDS, target=(-1, token))
+        torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_lrp0_layers_run_as_plain_autograd_and_a_vocabulary_head_keeps_its_node():
+    """In gradient form a dense layer under LRP-0 is the model's own op: no node. The head (160 outputs on 16
+    features) keeps one, whose transposed product skips the zeros of a one-logit seed."""
+    torch.manual_seed(0)
+    model = Decoder(fused=True, vocab=160).double().eval()
+    gradient_form, relevance_form = both_forms("attnlrp")
+    explained = relprop.LRP(model, gradient_form).record(IDS, reusable=False)
+    assert explained.gradient_form
+    assert nodes.is_relevance_node(explained.logits.grad_fn)  # the head's node
+    # the dense layers, the sums and the rotary products are no nodes: far fewer than one per op
+    assert 0 < _nodes(explained.logits) < _nodes(relprop.LRP(model, relevance_form).record(IDS).logits) / 2
+    torch.testing.assert_close(explained.relevance(relprop.output_relevance(explained.logits, (-1, 100)))[0],
+                               relprop.LRP(model, relevance_form).attribute(IDS, target=(-1, 100)),
+                               rtol=1e-12, atol=1e-14)
+
+
+def _nodes(logits):
+    """The relevance nodes of the graph below ``logits``."""
+    found, stack, seen = 0, [logits.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        found += nodes.is_relevance_node(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+class _Round(torch.autograd.Function):
+    """A straight-through rounding, as quantised models apply it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Rounded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.second(_Round.apply(self.first(x) * 4))
+
+
+def test_a_custom_autograd_function_is_explained_with_relevance_itself():
+    """Relevance per unit cannot cross a Function's own backward: the pass is made again in relevance form."""
+    torch.manual_seed(0)
+    model = _Rounded().double().eval()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    gradient_form, relevance_form = both_forms("attnlrp", func_map={_Round: relprop.rules.Pass()})
+    lrp = relprop.LRP(model, gradient_form)
+    assert not lrp.record(x).gradient_form
+    expected = relprop.LRP(model, relevance_form).attribute(x, target=1)
+    assert torch.equal(lrp.attribute(x, target=1), expected)
+
+
+def test_a_seed_on_an_output_of_zero_is_reported_in_gradient_form():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU()).double().eval()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4, 3, dtype=torch.float64))
+        model[0].bias.zero_()
+    x = torch.tensor([[1.0, -1.0, 2.0]], dtype=torch.float64)  # outputs 1, 0, 2, 0
+    explained = relprop.LRP(model, "attnlrp").record(x)
+    assert explained.gradient_form
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        explained.relevance(torch.tensor([[1.0, 0.0, 1.0, 0.0]], dtype=torch.float64))  # no warning
+    with pytest.warns(relprop.ConservationWarning, match="outputs of value 0"):
+        explained.relevance(torch.ones(1, 4, dtype=torch.float64))
+
+
+def test_nan_relevance_is_reported_in_gradient_form():
+    """The guard still names the first op that hands on NaN (here a softmax over a row of -inf)."""
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            scores = self.linear(x).masked_fill(torch.tensor([True, True, True, True]), -math.inf)
+            return torch.softmax(scores, -1) * x
+
+    model = Masked().double().eval()
+    with pytest.warns(relprop.ConservationWarning, match="NaN"):
+        relprop.LRP(model, "attnlrp").attribute(torch.randn(2, 4, dtype=torch.float64), target=0)
