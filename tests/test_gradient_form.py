@@ -214,3 +214,32 @@ def test_nan_relevance_is_reported_in_gradient_form():
     model = Masked().double().eval()
     with pytest.warns(relprop.ConservationWarning, match="NaN"):
         relprop.LRP(model, "attnlrp").attribute(torch.randn(2, 4, dtype=torch.float64), target=0)
+
+
+class _Hooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        h.register_hook(lambda grad: grad * 2)  # what a hook returns replaces the relevance there
+        return self.second(h)
+
+
+def test_a_hook_on_an_activation_gets_relevance_itself():
+    torch.manual_seed(0)
+    model = _Hooked().double().eval()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    gradient_form, relevance_form = both_forms("attnlrp")
+    with pytest.warns(UserWarning, match="receives relevance"):
+        explained = relprop.LRP(model, gradient_form).record(x)
+    assert not explained.gradient_form
+    found = []
+    for composite in (relevance_form, gradient_form):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found.append(relprop.LRP(model, composite).attribute(x, target=1))
+        assert any("receives relevance" in str(w.message) for w in caught)
+        assert any("not accounted for" in str(w.message) for w in caught)  # the doubled relevance, reported
+    assert torch.equal(found[0], found[1])

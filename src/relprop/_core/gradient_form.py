@@ -35,7 +35,7 @@ class InGradientForm(Rule[Call]):
     def __init__(self, rule: Rule, reads: Reads):
         self.rule = rule
         self.kinds = rule.kinds
-        self.needs_vjp, self.needs_output, self.needs_inputs, self.native = reads
+        self.needs_vjp, self.needs_output, self.needs_inputs, self.native, self.held = reads
 
     def accepts(self, call: Call) -> bool:
         return self.rule.accepts(call)

@@ -24,8 +24,10 @@ class Reads(NamedTuple):
     #: the values of the op's inputs
     inputs: bool = False
     #: whether the gradient form is ``call.vjp(G)`` and nothing else: where that is the op's own autograd VJP,
-    #: the engine runs the op as plain autograd, with no relevance node
+    #: the engine runs the op as plain autograd, with no relevance node ...
     native: bool = False
+    #: ... with these inputs held constant (detached): gates, which get no relevance (one flag per input)
+    held: tuple[bool, ...] = ()
 
 #: the view of an op call that a rule reads (:mod:`relprop.rules`)
 C_contra = TypeVar("C_contra", bound=Call, contravariant=True)

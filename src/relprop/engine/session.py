@@ -334,8 +334,10 @@ class Session(Guard, TorchFunctionMode):
                 raise GradientFormUnavailable(f"relprop: {call.describe()} is explained as another output")
             rule = in_gradient_form(rule, call, self._in_gradient_form)
             if isinstance(rule, InGradientForm) and rule.native and call.plain:
-                # the relevance per unit is the op's own gradient: plain autograd carries it, no node
-                out = call.call_with(call.func, call.activations)
+                # the relevance per unit is the op's own gradient (gates held constant): plain autograd carries
+                # it, no node; what computed a gate is freed after the forward pass
+                held = rule.held or (False,) * len(call.inputs)
+                out = call.call_with(call.func, [x.detach() if hold else x for x, hold in zip(call.activations, held)])
                 call.output = out.detach()
                 self._check_accepts(call, rule, source)
                 return out

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from relprop._core.contract import Call
 from relprop._core.kinds import OpKind
 from relprop._core.registry import ROUTING_HANDLERS, lookup, register, torch_and_tensor
-from relprop._core.contract import Call
 from relprop._core.rule import Gradient, Reads
 from relprop._core.tensors import is_activation
+from relprop.engine.session import GradientFormUnavailable
 from relprop.ops.host import OpHost
 
 
@@ -33,8 +34,12 @@ def _hook(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
 
     In relprop's backward pass the hook receives the relevance arriving at
     the tensor, not its gradient; what it returns replaces that relevance
-    (the conservation guard reports relevance it creates or drops).
+    (the conservation guard reports relevance it creates or drops). Relevance
+    per unit of activation is not what it would receive: the pass starts again
+    carrying relevance itself.
     """
+    if session.gradient_form:
+        raise GradientFormUnavailable(f"relprop: a hook on an activation in module '{session.module_name}'")
     warnings.warn(f"relprop: a hook registered on an activation in module '{session.module_name or '<root>'}' "
                   "during the explained forward pass receives relevance, not gradients", UserWarning, stacklevel=2)
     return func(*args, **kwargs)

@@ -235,7 +235,13 @@ class SignalTakesAll(Rule[Call]):
         return tuple(None if gate else sum_to(relevance, x.shape) for x, gate in zip(call.inputs, gates))
 
     def gradient_reads(self, call: Call) -> Reads:
-        return Reads(vjp=True, output=self.prepares_on(call) and not exact(self.epsilon, call.inputs[0].dtype))
+        if self.prepares_on(call) and not exact(self.epsilon, call.inputs[0].dtype):
+            return Reads(vjp=True, output=True)
+        # the op's own VJP with the gates held: plain autograd of the op on the gates detached
+        if is_attention(call):
+            return Reads(vjp=True, native=True, held=tuple(role != "value" for role in call.roles))
+        assert is_product(call)  # accepts() took only products and attention
+        return Reads(vjp=True, native=True, held=self.gates(call))
 
     def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
         """The signal's VJP of ``G`` with the gates held constant (its relevance all of the output's); gates none."""
