@@ -139,6 +139,33 @@ def test_lrp0_layers_run_as_plain_autograd_and_a_vocabulary_head_keeps_its_node(
                                rtol=1e-12, atol=1e-14)
 
 
+def test_a_gate_is_held_constant_and_what_computed_it_is_not_kept():
+    """The statistic of the RMSNorm gates its input: the product runs as plain autograd on the statistic detached,
+    so the square, the mean and the rsqrt that computed it leave the graph after the forward pass."""
+    torch.manual_seed(0)
+    model = Decoder(fused=True).double().eval()
+    gradient_form, relevance_form = both_forms("attnlrp")
+    names = {name: _names(relprop.LRP(model, composite).record(IDS).logits)
+             for name, composite in (("gradient", gradient_form), ("relevance", relevance_form))}
+    assert {"Tensor.pow", "torch.rsqrt"} <= names["relevance"]
+    assert not {"Tensor.pow", "torch.rsqrt"} & names["gradient"]
+    assert "torch.nn.functional.silu" in names["gradient"]  # its gradient form, out / x, keeps a node
+
+
+def _names(logits):
+    """The op names of the relevance nodes below ``logits``."""
+    found, stack, seen = set(), [logits.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if nodes.is_relevance_node(node) and hasattr(node, "call"):
+            found.add(node.call.name)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
 def _nodes(logits):
     """The relevance nodes of the graph below ``logits``."""
     found, stack, seen = 0, [logits.grad_fn], set()
@@ -243,3 +270,32 @@ def test_a_hook_on_an_activation_gets_relevance_itself():
         assert any("receives relevance" in str(w.message) for w in caught)
         assert any("not accounted for" in str(w.message) for w in caught)  # the doubled relevance, reported
     assert torch.equal(found[0], found[1])
+
+
+@pytest.mark.parametrize("owned", [True, False])
+def test_a_sparse_seed_is_divided_at_its_nonzero_entries_alike(owned, monkeypatch):
+    """Large seeds with few nonzero entries (one logit of a vocabulary) are divided there alone."""
+    from relprop.methods import attribution
+
+    torch.manual_seed(0)
+    model = Decoder(fused=True).double().eval()
+    explained = relprop.LRP(model, "attnlrp").record(IDS)
+    seed = relprop.output_relevance(explained.logits, (-1, 3))
+    expected = explained.propagate(seed.clone(), owned)
+    monkeypatch.setattr(attribution, "_SPARSE_SEED", 0)
+    given = seed.clone()
+    found = explained.propagate(given, owned)
+    assert torch.equal(found[0], expected[0])
+    assert torch.equal(given, seed) or owned  # a seed not owned is left as it was
+
+
+def test_lrp0_in_bfloat16_divides_by_nothing_in_gradient_form():
+    """The relevance form stabilises LRP-0 with bfloat16's machine epsilon (its 1 / z would overflow); the
+    gradient form divides by nothing, so it is LRP-0 itself, close to the float64 relevance."""
+    torch.manual_seed(0)
+    model = Decoder(fused=True).eval()
+    gradient_form, relevance_form = both_forms("attnlrp")
+    exact = relprop.LRP(model.double(), relevance_form).attribute(IDS, target=(-1, 3))
+    half = relprop.LRP(model.bfloat16(), gradient_form).attribute(IDS, target=(-1, 3)).double()
+    cosine = F.cosine_similarity(half.flatten(), exact.flatten(), dim=0).item()
+    assert cosine > 0.99

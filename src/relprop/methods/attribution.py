@@ -335,6 +335,11 @@ def _position(items: Sequence[Tensor], item: Tensor) -> int:
 
 
 
+#: a seed of this many entries or more is divided by the logits at its nonzero entries alone, where they are few
+#: (a next-token logit among a vocabulary at every position): finding them costs more on smaller seeds
+_SPARSE_SEED = 1 << 22
+
+
 class ForwardPass:
     """One forward pass under the engine: the inputs as it saw them, the logits, the token embeddings.
 
@@ -408,7 +413,7 @@ class ForwardPass:
         logits = self.logits.detach()
         if seed.dtype != logits.dtype or not seed.is_contiguous():
             seed, owned = seed.to(logits.dtype, memory_format=torch.contiguous_format), True
-        if torch.count_nonzero(seed) * 64 > seed.numel():
+        if seed.numel() < _SPARSE_SEED or torch.count_nonzero(seed) * 64 > seed.numel():
             lost = ((logits == 0) & (seed != 0)).any()
             carried = per_unit(seed, logits, owned)
         else:  # a few targets among many outputs (a vocabulary): only those are divided, in place where allowed

@@ -7,7 +7,7 @@ from torch import Tensor
 from relprop._core.contract import Call, is_parametric
 from relprop._core.kinds import OpKind
 from relprop._core.rule import Reads, Rule
-from relprop.rules.stabilizers import exact, inverse_denominator, per_unit_ratio
+from relprop.rules.stabilizers import inverse_denominator, per_unit_ratio
 
 #: Op kinds that are linear in their activation inputs.
 LINEAR_KINDS = frozenset({OpKind.CONV, OpKind.DENSE, OpKind.BATCHNORM, OpKind.SUM, OpKind.NORM})
@@ -66,22 +66,22 @@ class Epsilon(Rule[Call]):
                      for i, (x, c) in enumerate(zip(call.inputs, grads)))
 
 
-    def _stabilised(self, call: Call) -> bool:
-        return self.zero_bias or not exact(self.epsilon, call.inputs[0].dtype)
+    @property
+    def _stabilised(self) -> bool:
+        """Whether the gradient form scales ``G`` by ``z / (z + eps sign z)``: LRP-0 (in any dtype) does not."""
+        return self.zero_bias or self.epsilon != 0
 
     def gradient_reads(self, call: Call) -> Reads:
         # LRP-0 in gradient form is the op's own VJP: nothing of the call is kept but its autograd graph
-        stabilised = self._stabilised(call)
-        return Reads(vjp=True, output=stabilised, native=not stabilised)
+        return Reads(vjp=True, output=self._stabilised, native=not self._stabilised)
 
     def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
         """``G_x = VJP(G * z / (z + eps sign z))``: the op's VJP of ``G``, for LRP-0 ``G`` itself."""
-        if self._stabilised(call):
+        if self._stabilised:
             z = call.output
             without_bias = z - call.bias_term() if self.zero_bias and is_parametric(call) and call.bias is not None \
                 else None
-            ratio = per_unit_ratio(z, self.epsilon, without_bias)
-            grad = grad if ratio is None else grad * ratio
+            grad = grad * per_unit_ratio(z, self.epsilon, without_bias)
         return call.vjp(grad)
 
 

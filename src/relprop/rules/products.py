@@ -11,7 +11,7 @@ from relprop._core.kinds import GATE_TAGS
 from relprop._core.rule import Reads, Rule
 from relprop._core.sdpa import attention_weights, head_groups, repeat_heads, softmax_scale
 from relprop._core.tensors import sum_to
-from relprop.rules.stabilizers import exact, inverse_denominator, per_unit_ratio
+from relprop.rules.stabilizers import inverse_denominator, per_unit_ratio
 
 
 def attention_relevance(call: AttentionView, relevance: Tensor, values_only: bool) -> tuple[Tensor | None, ...]:
@@ -63,8 +63,7 @@ def attention_gradient(call: AttentionView, grad: Tensor, values_only: bool) -> 
 
 def _stabilised(call: Call, grad: Tensor, epsilon: float) -> Tensor:
     """``G`` scaled by ``z / (z + eps sign z)`` for a rule that divides by the output ``z`` (gradient form)."""
-    ratio = per_unit_ratio(call.output, epsilon)
-    return grad if ratio is None else grad * ratio
+    return grad * per_unit_ratio(call.output, epsilon)
 
 
 def recomputed_attention_relevance(call: AttentionView, relevance: Tensor,
@@ -136,11 +135,11 @@ class UniformProduct(Rule[Call]):
     def gradient_reads(self, call: Call) -> Reads | None:
         if not (is_attention(call) or is_product(call)):
             return None
-        return Reads(vjp=True, output=not exact(self.epsilon, call.inputs[0].dtype))
+        return Reads(vjp=True, output=self.epsilon != 0)
 
     def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
         """Each factor's VJP of ``G``, divided by the number of factors; attention's as :func:`attention_gradient`."""
-        if not exact(self.epsilon, call.inputs[0].dtype):
+        if self.epsilon != 0:
             grad = _stabilised(call, grad, self.epsilon)
         if is_attention(call):
             return attention_gradient(call, grad, values_only=False)
@@ -235,7 +234,7 @@ class SignalTakesAll(Rule[Call]):
         return tuple(None if gate else sum_to(relevance, x.shape) for x, gate in zip(call.inputs, gates))
 
     def gradient_reads(self, call: Call) -> Reads:
-        if self.prepares_on(call) and not exact(self.epsilon, call.inputs[0].dtype):
+        if self.prepares_on(call) and self.epsilon != 0:
             return Reads(vjp=True, output=True)
         # the op's own VJP with the gates held: plain autograd of the op on the gates detached
         if is_attention(call):
@@ -245,7 +244,7 @@ class SignalTakesAll(Rule[Call]):
 
     def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
         """The signal's VJP of ``G`` with the gates held constant (its relevance all of the output's); gates none."""
-        if self.prepares_on(call) and not exact(self.epsilon, call.inputs[0].dtype):
+        if self.prepares_on(call) and self.epsilon != 0:
             grad = _stabilised(call, grad, self.epsilon)
         if is_attention(call):
             return attention_gradient(call, grad, values_only=True)

@@ -50,17 +50,11 @@ def inverse_denominator(z: Tensor, epsilon: float, in_place: bool = False) -> Te
     return torch.copysign(z.new_full((), epsilon), z).add_(z).reciprocal_()
 
 
-def per_unit_ratio(z: Tensor, epsilon: float, denominator_of: Tensor | None = None) -> Tensor | None:
+def per_unit_ratio(z: Tensor, epsilon: float, denominator_of: Tensor | None = None) -> Tensor:
     """``z / (d + eps sign d)`` (``d`` is ``denominator_of``, else ``z``): what the epsilon rule scales ``R / z`` by.
 
     In gradient form (relevance per unit of activation, ``G = R / z``) the epsilon rule's ``R / (z + eps sign z)``
-    is ``G`` times this ratio; None where it is 1 (no stabiliser, ``d = z``), as for LRP-0 except at ``z = 0``.
+    is ``G`` times this ratio. LRP-0 (``epsilon = 0``, ``d = z``) needs none, in every dtype: it divides by
+    nothing there, so the stabiliser that keeps ``1 / z`` finite in float16 and bfloat16 has no role.
     """
-    if denominator_of is None and _stabilizer(epsilon, z.dtype) == 0:
-        return None
     return inverse_denominator(z if denominator_of is None else denominator_of, epsilon).mul_(z)
-
-
-def exact(epsilon: float, dtype: torch.dtype) -> bool:
-    """Whether the stabiliser ``epsilon`` is 0 in ``dtype`` (at least machine epsilon in float16 and bfloat16)."""
-    return _stabilizer(epsilon, dtype) == 0
