@@ -133,7 +133,7 @@ def test_lrp0_layers_run_as_plain_autograd_and_a_vocabulary_head_keeps_its_node(
     assert explained.gradient_form
     assert nodes.is_relevance_node(explained.logits.grad_fn)  # the head's node
     # the dense layers, the sums and the rotary products are no nodes: far fewer than one per op
-    assert 0 < _nodes(explained.logits) < _nodes(relprop.LRP(model, relevance_form).record(IDS).logits) / 2
+    assert 0 < len(_nodes(explained.logits)) < len(_nodes(relprop.LRP(model, relevance_form).record(IDS).logits)) / 2
     torch.testing.assert_close(explained.relevance(relprop.output_relevance(explained.logits, (-1, 100)))[0],
                                relprop.LRP(model, relevance_form).attribute(IDS, target=(-1, 100)),
                                rtol=1e-12, atol=1e-14)
@@ -154,27 +154,19 @@ def test_a_gate_is_held_constant_and_what_computed_it_is_not_kept():
 
 def _names(logits):
     """The op names of the relevance nodes below ``logits``."""
-    found, stack, seen = set(), [logits.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if nodes.is_relevance_node(node) and hasattr(node, "call"):
-            found.add(node.call.name)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
+    return {node.call.name for node in _nodes(logits) if hasattr(node, "call")}
 
 
 def _nodes(logits):
     """The relevance nodes of the graph below ``logits``."""
-    found, stack, seen = 0, [logits.grad_fn], set()
+    found, stack, seen = [], [logits.grad_fn], set()
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        found += nodes.is_relevance_node(node)
+        if nodes.is_relevance_node(node):
+            found.append(node)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
 
