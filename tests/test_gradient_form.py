@@ -291,3 +291,17 @@ def test_lrp0_in_bfloat16_divides_by_nothing_in_gradient_form():
     half = relprop.LRP(model.bfloat16(), gradient_form).attribute(IDS, target=(-1, 3)).double()
     cosine = F.cosine_similarity(half.flatten(), exact.flatten(), dim=0).item()
     assert cosine > 0.99
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(epsilon=1e-2),  # every rule scales G by z / (z + eps sign z)
+    dict(name_map={"out": relprop.rules.Epsilon(0.0, zero_bias=True)}),  # z / (z - b)
+    dict(layer_map={nn.Linear: relprop.rules.ZPlus()}),  # no gradient form: converted on both sides
+], ids=["epsilon", "zero-bias", "converted"])
+def test_stabilised_and_converted_rules_equal_the_relevance_form(kwargs):
+    torch.manual_seed(0)
+    model = Decoder(fused=True).double().eval()
+    relevance, expected = (relprop.LRP(model, composite).attribute(IDS, target=(-1, 3))
+                           for composite in both_forms("attnlrp", **kwargs))
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12 * expected.abs().max().item())
