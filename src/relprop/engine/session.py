@@ -82,8 +82,8 @@ def _custom_function(node_type: type) -> type | None:
 
 
 class GradientFormUnavailable(RuntimeError):
-    """The forward pass met what relevance per unit of activation cannot cross (a custom autograd Function, an op
-    explained as another output): it is explained again with relevance itself."""
+    """The forward pass met what relevance per unit of activation cannot cross (a custom autograd Function, a hook
+    on an activation, an op explained as another output): it is explained again with relevance itself."""
 
 
 class FunctionCall:
