@@ -303,6 +303,16 @@ class OpCall:
         """Whether :meth:`vjp` is the VJP of the op the model called (not of a linearised or merged form)."""
         return self._linearised is self.func
 
+    @property
+    def linearised(self) -> bool:
+        """Whether :meth:`vjp` is that of :attr:`linearised_function`, not of the op (a norm, its statistic held)."""
+        return self._linearised is not self.func
+
+    @property
+    def linearised_function(self) -> Callable:
+        """The function whose gradient the rule uses; the op's own unless it is :attr:`linearised`."""
+        return self._linearised
+
     def vjp(self, grad: Tensor) -> tuple[Tensor | None, ...]:
         """Vector-Jacobian product of the op with respect to :attr:`~relprop.engine.OpCall.inputs`.
 

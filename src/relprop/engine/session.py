@@ -35,7 +35,7 @@ from relprop._core.tensors import has_activation, has_parameter, is_activation, 
 from relprop.engine.calls import OpCall
 from relprop.engine.context import ModuleContext
 from relprop.engine.guard import Guard
-from relprop.engine.nodes import propagate, tap, watch
+from relprop.engine.nodes import propagate, substitute, tap, watch
 from relprop.engine.parametric import Workspace, model_input
 from relprop.engine.tracking import AliasTracker, aliases
 
@@ -333,12 +333,8 @@ class Session(Guard, TorchFunctionMode):
             if not call.explains_its_output:  # relevance per unit of the model's output is no unit of the rule's
                 raise GradientFormUnavailable(f"relprop: {call.describe()} is explained as another output")
             rule = in_gradient_form(rule, call, self._in_gradient_form)
-            if isinstance(rule, InGradientForm) and rule.native and call.plain:
-                # the relevance per unit is the op's own gradient (gates held constant): plain autograd carries
-                # it, no node; what computed a gate is freed after the forward pass
-                held = rule.held or (False,) * len(call.inputs)
-                out = call.call_with(call.func, [x.detach() if hold else x for x, hold in zip(call.activations, held)])
-                call.output = out.detach()
+            if isinstance(rule, InGradientForm) and rule.native and (call.plain or call.linearised):
+                out = self._native(call, rule.held)
                 self._check_accepts(call, rule, source)
                 return out
             # a converted rule reads the output and inputs as they came: it must write into neither
@@ -355,6 +351,25 @@ class Session(Guard, TorchFunctionMode):
             self.aliases.follow_zeros(call, rule, zeroed, out)
         call.settle()
         self.aliases.recorded(call, out)
+        return out
+
+    @staticmethod
+    def _native(call: OpCall, held: tuple[bool, ...]) -> Tensor:
+        """``call`` as plain autograd, the inputs flagged in ``held`` held constant (gates): no relevance node.
+
+        The relevance per unit of activation is the op's own gradient there (what computed a gate is freed after
+        the forward pass); for an op the rule linearises (a norm with its statistic held), the linearised form's
+        gradient under the model's own output.
+        """
+        held = held or (False,) * len(call.inputs)
+        activations = [x.detach() if hold else x for x, hold in zip(call.activations, held)]
+        if call.plain:
+            out = call.call_with(call.func, activations)
+        else:
+            with torch.no_grad():
+                value = call.call_with(call.func, call.inputs)
+            out = substitute(value, call.call_with(call.linearised_function, activations))
+        call.output = out.detach()
         return out
 
     @staticmethod
