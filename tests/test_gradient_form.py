@@ -305,3 +305,16 @@ def test_stabilised_and_converted_rules_equal_the_relevance_form(kwargs):
                            for composite in both_forms("attnlrp", **kwargs))
     assert expected.abs().sum() > 0
     torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12 * expected.abs().max().item())
+
+
+def test_a_rule_that_fills_inputs_of_value_0_is_explained_with_relevance_itself():
+    """Flat gives relevance to inputs of value 0, which relevance per unit cannot carry: the pass carries
+    relevance itself, and the zero pixels keep their share."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)).double().eval()
+    x = torch.tensor([[1.0, 0.0, -2.0, 0.0]], dtype=torch.float64)
+    gradient_form, relevance_form = both_forms("attnlrp", first={"dense": relprop.rules.Flat()})
+    assert not relprop.LRP(model, gradient_form).record(x).gradient_form
+    relevance = relprop.LRP(model, gradient_form).attribute(x, target=1)
+    assert torch.equal(relevance, relprop.LRP(model, relevance_form).attribute(x, target=1))
+    assert (relevance[0, [1, 3]] != 0).all()

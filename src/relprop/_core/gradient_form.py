@@ -55,9 +55,10 @@ class Converted(Rule[Call]):
     """``rule``, which has no gradient form, between neighbours in gradient form.
 
     ``R = out * G`` arrives, ``rule`` propagates it, and each input gets
-    ``R_x / x`` (0 where ``x`` is 0: relevance a rule gives to inputs of value 0
-    has no gradient form, and is lost there). The call keeps its output and
-    inputs as they are (it is run as reusable: the rule writes into neither).
+    ``R_x / x`` (0 where ``x`` is 0: a rule that gives inputs of value 0
+    relevance, ``fills_zeros``, is not converted; the engine carries relevance
+    itself then). The call keeps its output and inputs as they are (it is run
+    as reusable: the rule writes into neither).
     """
 
     needs_output = True

@@ -83,7 +83,8 @@ def _custom_function(node_type: type) -> type | None:
 
 class GradientFormUnavailable(RuntimeError):
     """The forward pass met what relevance per unit of activation cannot cross (a custom autograd Function, a hook
-    on an activation, an op explained as another output): it is explained again with relevance itself."""
+    on an activation, an op explained as another output, a rule that gives inputs of value 0 relevance): it is
+    explained again with relevance itself."""
 
 
 class FunctionCall:
@@ -333,6 +334,8 @@ class Session(Guard, TorchFunctionMode):
             if not call.explains_its_output:  # relevance per unit of the model's output is no unit of the rule's
                 raise GradientFormUnavailable(f"relprop: {call.describe()} is explained as another output")
             rule = in_gradient_form(rule, call, self._in_gradient_form)
+            if rule.fills_zeros:  # relevance it gives inputs of value 0 has no unit to be carried in
+                raise GradientFormUnavailable(f"relprop: rule {rule!r} on {call.describe()} fills inputs of value 0")
             if isinstance(rule, InGradientForm) and rule.native and (call.plain or call.linearised):
                 out = self._native(call, rule.held)
                 self._check_accepts(call, rule, source)
