@@ -22,20 +22,14 @@ from relprop._core.rule import Reads, Rule
 from relprop._core.tensors import per_unit
 
 
-class InGradientForm(Rule[Call]):
-    """``rule`` in gradient form: ``propagate`` maps ``G`` at the output to ``G`` at each input (``rule.gradient``).
+class _Wrapped(Rule[Call]):
+    """A rule seen through another form: what it applies to, fills and is called is the wrapped rule's."""
 
-    Every input relevance is then ``x * G``: an input entry of 0 gets none. The guard checks what such a rule
-    hands on for NaN and infinities; relevance totals are not at hand, so no conservation is checked.
-    """
-
-    prepares = False
     zero_for_zero_input = True
 
-    def __init__(self, rule: Rule, reads: Reads):
+    def __init__(self, rule: Rule):
         self.rule = rule
         self.kinds = rule.kinds
-        self.needs_vjp, self.needs_output, self.needs_inputs, self.native, self.held = reads
 
     def accepts(self, call: Call) -> bool:
         return self.rule.accepts(call)
@@ -44,14 +38,28 @@ class InGradientForm(Rule[Call]):
     def fills_zeros(self) -> bool:
         return self.rule.fills_zeros
 
-    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
-        return self.rule.gradient(call, relevance)
-
     def __repr__(self) -> str:
         return repr(self.rule)
 
 
-class Converted(Rule[Call]):
+class InGradientForm(_Wrapped):
+    """``rule`` in gradient form: ``propagate`` maps ``G`` at the output to ``G`` at each input (``rule.gradient``).
+
+    Every input relevance is then ``x * G``: an input entry of 0 gets none. The guard checks what such a rule
+    hands on for NaN and infinities; relevance totals are not at hand, so no conservation is checked.
+    """
+
+    prepares = False
+
+    def __init__(self, rule: Rule, reads: Reads):
+        super().__init__(rule)
+        self.needs_vjp, self.needs_output, self.needs_inputs, self.native, self.held = reads
+
+    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        return self.rule.gradient(call, relevance)
+
+
+class Converted(_Wrapped):
     """``rule``, which has no gradient form, between neighbours in gradient form.
 
     ``R = out * G`` arrives, ``rule`` propagates it, and each input gets
@@ -63,16 +71,11 @@ class Converted(Rule[Call]):
 
     needs_output = True
     needs_inputs = True
-    zero_for_zero_input = True
 
     def __init__(self, rule: Rule):
-        self.rule = rule
-        self.kinds = rule.kinds
+        super().__init__(rule)
         self.needs_vjp = rule.needs_vjp
         self.prepares = rule.prepares
-
-    def accepts(self, call: Call) -> bool:
-        return self.rule.accepts(call)
 
     def prepares_on(self, call: Call) -> bool:
         return self.rule.prepares_on(call)
@@ -80,25 +83,18 @@ class Converted(Rule[Call]):
     def prepare(self, call: Call) -> Tensor | None:
         return self.rule.prepare(call)
 
-    @property
-    def fills_zeros(self) -> bool:
-        return self.rule.fills_zeros
-
     def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
         result = self.rule.propagate(call, relevance * call.output)
         return tuple(None if r is None else per_unit(r, x) for r, x in zip(result, call.inputs))
 
-    def __repr__(self) -> str:
-        return repr(self.rule)
 
-
-def in_gradient_form(rule: Rule, call: Call, cache: dict[Any, tuple[Rule, Rule]]) -> Rule:
+def in_gradient_form(rule: Rule, call: Call, cache: dict[Any, Rule]) -> Rule:
     """The form of ``rule`` that carries relevance per unit of activation through ``call``.
 
-    ``cache`` holds one wrapper per rule and what it reads, so that op calls share them (with the rule, so that
-    its id stays its own).
+    ``cache`` holds one wrapper per rule and what it reads, so that op calls share them (the wrapper keeps the
+    rule alive, so that its id stays its own).
     """
-    if isinstance(rule, (InGradientForm, Converted)):  # a merged BatchNorm takes its producer's rule
+    if isinstance(rule, _Wrapped):  # a merged BatchNorm takes its producer's rule
         rule = rule.rule
     reads = rule.gradient_reads(call)
     if reads is not None and reads.vjp and call.vjp_reads_inputs:
@@ -106,5 +102,5 @@ def in_gradient_form(rule: Rule, call: Call, cache: dict[Any, tuple[Rule, Rule]]
     key = (id(rule), reads)
     wrapper = cache.get(key)
     if wrapper is None:
-        wrapper = cache[key] = (InGradientForm(rule, reads) if reads is not None else Converted(rule), rule)
-    return wrapper[0]
+        wrapper = cache[key] = InGradientForm(rule, reads) if reads is not None else Converted(rule)
+    return wrapper

@@ -9,11 +9,11 @@ base: it imports neither :mod:`relprop.rules` nor the op families.
 """
 from relprop._core.errors import ConservationWarning, RuleError, UnhandledOpWarning, UnsupportedOpError
 from relprop.engine.calls import OpCall
-from relprop.engine.sums import AddCall, InPlaceSumCall
 from relprop.engine.context import ModuleContext
 from relprop.engine.nodes import is_relevance_node, propagate, substitute, tap, watch, write_into
 from relprop.engine.parametric import ParametricCall, Workspace, model_input, routed_image
 from relprop.engine.session import Session
+from relprop.engine.sums import AddCall, InPlaceSumCall
 from relprop.engine.tracking import AliasTracker, aliases
 
 __all__ = ["Session", "ModuleContext", "OpCall", "ParametricCall", "AddCall", "InPlaceSumCall", "Workspace",

@@ -299,9 +299,10 @@ class OpCall:
         return self.call_with(self.func, self.activations)
 
     @property
-    def plain(self) -> bool:
-        """Whether :meth:`vjp` is the VJP of the op the model called (not of a linearised or merged form)."""
-        return self._linearised is self.func
+    def runs_as_autograd(self) -> bool:
+        """Whether plain autograd of :attr:`linearised_function` may stand for the call's :meth:`vjp` (a merged
+        BatchNorm or a vocabulary head may not: see :class:`~relprop.engine.ParametricCall`)."""
+        return True
 
     @property
     def linearised(self) -> bool:

@@ -323,8 +323,8 @@ class ParametricCall(OpCall):
         return (transpose(grad * self._output_shape(self._batch_norm[0])),)
 
     @property
-    def plain(self) -> bool:
-        return self._batch_norm is None and super().plain and not self._head
+    def runs_as_autograd(self) -> bool:
+        return self._batch_norm is None and not self._head
 
     @property
     def _head(self) -> bool:

@@ -336,7 +336,7 @@ class Session(Guard, TorchFunctionMode):
             rule = in_gradient_form(rule, call, self._in_gradient_form)
             if rule.fills_zeros:  # relevance it gives inputs of value 0 has no unit to be carried in
                 raise GradientFormUnavailable(f"relprop: rule {rule!r} on {call.describe()} fills inputs of value 0")
-            if isinstance(rule, InGradientForm) and rule.native and (call.plain or call.linearised):
+            if isinstance(rule, InGradientForm) and rule.native and call.runs_as_autograd:
                 out = self._native(call, rule.held)
                 self._check_accepts(call, rule, source)
                 return out
@@ -366,7 +366,7 @@ class Session(Guard, TorchFunctionMode):
         """
         held = held or (False,) * len(call.inputs)
         activations = [x.detach() if hold else x for x, hold in zip(call.activations, held)]
-        if call.plain:
+        if not call.linearised:
             out = call.call_with(call.func, activations)
         else:
             with torch.no_grad():

@@ -249,7 +249,7 @@ class LRP(Attribution):
         tokens = tuple(x for x in leaves if not x.is_floating_point())
         # relevance per unit of activation where the composite's rules are modified gradients (AttnLRP, CP-LRP),
         # and nothing reads the relevance of single ops (taps, the audit)
-        gradient_form = (getattr(self.composite, "gradient_form", False) and taps is None and audit is None
+        gradient_form = (self.composite.gradient_form and taps is None and audit is None
                          and self.session_class is Session)
         while True:
             try:

@@ -40,11 +40,11 @@ class AttentionCall(OpCall):
 
     @property
     def explains_its_output(self) -> bool:
-        return self._linearised is self.func
+        return not self.linearised  # with dropout, the attention of its graph without dropout
 
     def _explained_output(self, value: Tensor) -> Tensor:
         # with dropout, the rule explains the attention of its graph without dropout: that graph's output
-        if self._graph is not None and self._linearised is not self.func:
+        if self._graph is not None and not self.explains_its_output:
             return self._graph[1].detach()
         return value
 

@@ -11,8 +11,8 @@ from relprop._core.registry import Handler, op_name
 from relprop._core.rule import Pass
 from relprop._core.signatures import bind, bind_builtin
 from relprop._core.tensors import is_activation
-from relprop.engine.sums import InPlaceSumCall
 from relprop.engine.nodes import write_into
+from relprop.engine.sums import InPlaceSumCall
 from relprop.engine.tracking import aliases
 from relprop.ops.host import OpHost
 
@@ -30,7 +30,7 @@ def _in_place_pass(session: OpHost, func: Callable, args: tuple, kwargs: dict, h
     rule, source = session.rule_for(call)
     if len(call.inputs) != 1 or type(rule) is not Pass:
         return None
-    if session.gradient_form and not getattr(rule.gradient_reads(call), "native", False):
+    if session.gradient_form and not rule.gradient_reads(call).native:
         return None
     zeroed = session.aliases.in_place_relu(call)
     out = session.run(call, rule, source)

@@ -65,7 +65,6 @@ class Epsilon(Rule[Call]):
                      x.mul_(c) if i in call.scratch and c.shape == x.shape else x * c
                      for i, (x, c) in enumerate(zip(call.inputs, grads)))
 
-
     @property
     def _stabilised(self) -> bool:
         """Whether the gradient form scales ``G`` by ``z / (z + eps sign z)``: LRP-0 (in any dtype) does not."""
