@@ -8,10 +8,11 @@ backward pass.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import Tensor
@@ -110,9 +111,12 @@ class OpCall:
         self.name = name
         self.module_name = module_name
         self._rule: Rule | None = None  # set by propagate() before the op runs
-        #: called as ``audit(call, relevance, input_relevances)`` after each propagation, if set
-        self.audit: Callable | None = None
         self._linearised = linearised or func
+        self._bind(args, kwargs)
+        self._fresh()
+
+    def _bind(self, args: tuple, kwargs: dict) -> None:
+        """Take ``args`` and ``kwargs`` as the op's arguments: its activations become :attr:`inputs`."""
         leaves, slots = positional_activations(args)
         self._spec: TreeSpec | None = None
         self._constants: dict = kwargs
@@ -130,6 +134,11 @@ class OpCall:
         #: the op's activation arguments, detached, in the order of the call's arguments
         self.inputs: tuple[Tensor, ...] = tuple(inputs)
         self._leaves = leaves
+
+    def _fresh(self) -> None:
+        """The state of a call that has not run: what its pass adds from then on."""
+        #: called as ``audit(call, relevance, input_relevances)`` after each propagation, if set
+        self.audit: Callable | None = None
         #: the inputs' version counters once the op has run (see :meth:`check_inputs`)
         self.versions: tuple[int, ...] = ()
         #: set by :func:`propagate`; None again once no rule reads it (:meth:`settle`, :meth:`take_output`)
@@ -145,6 +154,32 @@ class OpCall:
         #: set by :meth:`finish`: the backward pass went through this op, and it keeps nothing
         self.finished = False
         self._restore = False
+
+    @property
+    def slots(self) -> list[int] | None:
+        """The positions of the activations among the positional arguments; None where a container holds one."""
+        return self._slots if self._spec is None else None
+
+    #: whether :meth:`rebound` makes the call anew from its arguments alone; a call class that holds more of its
+    #: pass (a tensor it computed, another call) says False
+    replays = True
+
+    def arguments_of(self) -> tuple[tuple, dict]:
+        """The arguments the call was made with (its activations as the model's tensors), while it holds them."""
+        leaves = list(self._leaves)
+        for slot, x in zip(self._slots, self.activations):
+            leaves[slot] = x
+        if self._spec is None:
+            return tuple(leaves), self._constants
+        return tree_unflatten(leaves, self._spec)
+
+    def rebound(self, args: tuple, kwargs: dict) -> Self:
+        """A call that has not run, with this one's decisions (kind, tags, rule), over other arguments of the
+        same structure (a captured plan's replay, :mod:`relprop.engine.plan`)."""
+        call = copy.copy(self)
+        call._bind(args, kwargs)
+        call._fresh()
+        return call
 
     @property
     def rule(self) -> Rule:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any, Literal, Self, overload
 
 import torch
 from torch import Tensor
@@ -325,6 +325,16 @@ class ParametricCall(OpCall):
     @property
     def runs_as_autograd(self) -> bool:
         return self._batch_norm is None and not self._head
+
+    @property
+    def replays(self) -> bool:  # type: ignore[override]  # a property where OpCall has a class attribute
+        # a convolution's transposed product holds its input (for the shape); a merged BatchNorm, its statistics
+        return self.kind == OpKind.DENSE and self._batch_norm is None
+
+    def rebound(self, args: tuple, kwargs: dict) -> Self:
+        call = super().rebound(args, kwargs)
+        call._merged_weight = call._merged_bias = call._value = None
+        return call
 
     @property
     def _head(self) -> bool:

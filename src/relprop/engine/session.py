@@ -22,90 +22,50 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 from torch.utils.weak import WeakIdKeyDictionary
 
 from relprop._core.contract import Call
 from relprop._core.errors import RuleError, UnhandledOpWarning, UnsupportedOpError
 from relprop._core.gradient_form import Converted, InGradientForm, in_gradient_form
 from relprop._core.kinds import OpKind
-from relprop._core.registry import ALWAYS_HANDLED, HANDLERS, op_name, resolve
+from relprop._core.registry import ALWAYS_HANDLED, HANDLERS, op_name, register, resolve
 from relprop._core.rule import Gradient, Pass, Rule, broadcasts_to
 from relprop._core.tensors import has_activation, has_parameter, is_activation, sum_to
 from relprop.engine.calls import OpCall
 from relprop.engine.context import ModuleContext
+from relprop.engine.functions import GradientFormUnavailable, Unruled, _Unhandled
 from relprop.engine.guard import Guard
 from relprop.engine.nodes import propagate, substitute, tap, watch
 from relprop.engine.parametric import Workspace, model_input
+from relprop.engine.plan import Recording, Replay
 from relprop.engine.tracking import AliasTracker, aliases
 
 _current = threading.local()
 
 def _stored(x: Tensor, value: Tensor) -> Tensor:
-    """The op of an activation module: its output was computed by the module itself.
+    """The op of an activation module: its output ``value`` was computed by the module itself from ``x``.
 
-    A tensor of its own over that memory: the node's output gets the node as its ``grad_fn``, and ``value`` is
-    kept among the call's arguments, so returning it would close a reference cycle through the autograd graph
-    (node -> call -> argument -> node) that Python's garbage collector cannot see.
+    Called under the session's mode (from the module's forward hook), it reaches the mode as any op does
+    (:func:`_activation_op`), so that a plan records and checks it as one. As the op itself, a tensor of its own
+    over ``value``'s memory: the node's output gets the node as its ``grad_fn``, and ``value`` is kept among the
+    call's arguments, so returning it would close a reference cycle through the autograd graph (node -> call ->
+    argument -> node) that Python's garbage collector cannot see.
     """
+    if has_torch_function((x, value)):
+        return handle_torch_function(_stored, (x, value), x, value)
     return value.detach()
 
 
-class _Unhandled(Gradient):
-    """The plain gradient for an op without a rule, reported when relevance reaches it."""
-
-    def __init__(self, session: "Session"):
-        self._session = session
-
-    def propagate(self, call: Call, relevance: Tensor) -> tuple[Tensor | None, ...]:
-        result = super().propagate(call, relevance)
-        # an op without an autograd kernel (a custom or quantized kernel) has no gradient either
-        self._session.report(call.describe(), relevance, gradient=any(r is not None for r in result))
-        return result
-
-    def __repr__(self) -> str:
-        return "none"
+def _activation_op(session: "Session", func: Callable, args: tuple, kwargs: dict) -> Tensor:
+    """An activation module written as several ops (GPT-2's tanh GELU): one elementwise op, identity rule."""
+    call = OpCall(OpKind.ELEMENTWISE, func, args, kwargs, type(session.context.module).__name__, session.module_name)
+    out = session.run(call)
+    session.aliases.set_tag(out, "activation")
+    return out
 
 
-@functools.cache
-def _custom_function(node_type: type) -> type | None:
-    """The ``torch.autograd.Function`` whose backward nodes are of ``node_type``; None for autograd's own nodes
-    and relprop's.
-
-    ``Function.apply`` is not a torch function: a torch function mode sees only the ops inside the Function's
-    forward, run with gradients off, and the output comes out with the Function's own backward as its history.
-    """
-    function = getattr(node_type, "_forward_cls", None)
-    if not isinstance(function, type) or function.__module__.split(".", 1)[0] == "relprop":
-        return None
-    return function
-
-
-class GradientFormUnavailable(RuntimeError):
-    """The forward pass met what relevance per unit of activation cannot cross (a custom autograd Function, a hook
-    on an activation, an op explained as another output, a rule that gives inputs of value 0 relevance): it is
-    explained again with relevance itself."""
-
-
-class FunctionCall:
-    """A custom ``torch.autograd.Function`` applied in the forward pass, as the guard and the audit see it.
-
-    Relevance crosses it through a hook on its autograd node (:meth:`Session.custom_functions`): its rule is
-    the composite's ``func_map`` entry for the class (``Pass`` or ``rules.Gradient``), else its own
-    backward, reported.
-    """
-
-    kind = OpKind.UNKNOWN
-
-    def __init__(self, function: type, module_name: str, rule: Rule):
-        self.function = function
-        self.func = getattr(function, "apply")  # a torch.autograd.Function's classmethod
-        self.name = f"{function.__module__}.{function.__qualname__}"
-        self.module_name = module_name
-        self.rule = rule
-
-    def describe(self) -> str:
-        return f"custom autograd Function {self.name} in module '{self.module_name or '<root>'}'"
+register(_activation_op, [_stored])
 
 
 def _constant_output(out: Any, args: tuple) -> Any:
@@ -136,7 +96,7 @@ class RuleSource(Protocol):
         """The rule given to a custom ``torch.autograd.Function`` (``func_map`` by class), if any."""
 
 
-class Session(Guard, TorchFunctionMode):
+class Session(Guard, Unruled, TorchFunctionMode):
     """One attribution forward pass of ``model`` with rules from ``composite``.
 
     Parameters
@@ -213,6 +173,12 @@ class Session(Guard, TorchFunctionMode):
         self._custom = False
         #: the module of the last op that read activations with gradients off: where a Function was applied
         self._applied_in = ""
+        #: whether the engine itself is reading tensors (:meth:`_reading`)
+        self._engine_reads = False
+        #: the plan this pass is recorded into, if any (:mod:`relprop.engine.plan`)
+        self.recording: Recording | None = None
+        #: the plan this pass follows instead of intercepting each op, if any
+        self.replay: Replay | None = None
 
     # ------------------------------------------------------------ module context
 
@@ -245,7 +211,8 @@ class Session(Guard, TorchFunctionMode):
         if self.context.end_opaque() and output is not None:
             output = self._activation_module(module, args, output)
         if isinstance(output, Tensor):  # a custom Function's output, named after the module that applied it
-            self.custom_functions((output,), self.module_name)
+            with self._reading():
+                self.custom_functions((output,), self.module_name)
         self.context.exit()
         tapper = self._taps.get(module)
         if tapper is not None and not tapper.input and output is not None:
@@ -253,18 +220,25 @@ class Session(Guard, TorchFunctionMode):
         return output
 
     def _activation_module(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        """An activation module written as several ops (GPT-2's tanh GELU): one elementwise op, identity rule."""
+        """An activation module written as several ops: one op on its output (:func:`_activation_op`)."""
         x = args[0] if len(args) == 1 else None
-        if not any(is_activation(a) for a in args):
-            return output  # constants in, constant out
-        if not (is_activation(x) and isinstance(output, Tensor) and output.shape == x.shape):
-            raise RuntimeError(f"relprop: activation module '{self.module_name}' ({type(module).__name__}) must map "
-                               "one tensor to one tensor of the same shape")
-        value = output.detach()
-        call = OpCall(OpKind.ELEMENTWISE, _stored, (x, value), {}, type(module).__name__, self.module_name)
-        out = self.run(call)
-        self.aliases.set_tag(out, "activation")
-        return out
+        with self._reading():
+            if not any(is_activation(a) for a in args):
+                return output  # constants in, constant out
+            if not (is_activation(x) and isinstance(output, Tensor) and output.shape == x.shape):
+                raise RuntimeError(f"relprop: activation module '{self.module_name}' ({type(module).__name__}) must "
+                                   "map one tensor to one tensor of the same shape")
+            value = output.detach()
+        return _stored(x, value)
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """The engine reads tensors in a module hook (flags, autograd nodes): those reads are no ops of the model."""
+        self._engine_reads = True
+        try:
+            yield
+        finally:
+            self._engine_reads = False
 
     def token_embedding(self, ids: Any, vectors: Tensor) -> Tensor:
         """Embedded vectors of an integer model input become leaves that collect its tokens' relevance."""
@@ -272,7 +246,10 @@ class Session(Guard, TorchFunctionMode):
             if aliases(ids, tokens) and ids.numel() == tokens.numel():
                 leaf = vectors.detach().requires_grad_()
                 self.embeddings.setdefault(index, []).append(leaf)
-                return leaf.clone()  # not the leaf itself, so that in-place ops on the embeddings are allowed
+                out = leaf.clone()  # not the leaf itself, so that in-place ops on the embeddings are allowed
+                self._note("embedded", out)
+                return out
+        self._note("embedded", vectors)
         return vectors
 
     def tap(self, value: Any, record: Any) -> Any:
@@ -330,6 +307,8 @@ class Session(Guard, TorchFunctionMode):
         if rule is None:
             rule, source = self.rule_for(call)
         call.reusable = self.reusable
+        # a plan rebuilds the call from the op's arguments: which of them it was made with, before a node drops them
+        made_with = call.arguments_of() if self.recording is not None else None
         if self.gradient_form and rule is not None:
             if not call.explains_its_output:  # relevance per unit of the model's output is no unit of the rule's
                 raise GradientFormUnavailable(f"relprop: {call.describe()} is explained as another output")
@@ -337,27 +316,34 @@ class Session(Guard, TorchFunctionMode):
             if rule.fills_zeros:  # relevance it gives inputs of value 0 has no unit to be carried in
                 raise GradientFormUnavailable(f"relprop: rule {rule!r} on {call.describe()} fills inputs of value 0")
             if isinstance(rule, InGradientForm) and rule.native and call.runs_as_autograd:
-                out = self._native(call, rule.held)
+                out = self.native(call, rule.held)
                 self._check_accepts(call, rule, source)
+                self._note("native", call, made_with, rule, out)
                 return out
-            # a converted rule reads the output and inputs as they came: it must write into neither
-            call.reusable = call.reusable or isinstance(rule, Converted)
         # entries an in-place ReLU set to 0 among the inputs: of interest unless they get no relevance
         zeroed = self.aliases.zeroed_for(call, rule)
         if rule is None:  # winner-take-all: the gradient is the rule
             out = call.call_with(call.func, call.activations)
             self.aliases.carry_zeros(zeroed, out)
+            self._note("native" if not (zeroed or call.linearised) else "zeroed", call, made_with, None, out)
             return out
-        out = propagate(call, rule, self._observe if self.guard else self.audit)
+        out = self.node(call, rule)
         self._check_accepts(call, rule, source)
         if zeroed:
             self.aliases.follow_zeros(call, rule, zeroed, out)
         call.settle()
         self.aliases.recorded(call, out)
+        self._note("node" if not zeroed else "zeroed", call, made_with, rule, out)
         return out
 
+    def node(self, call: OpCall, rule: Rule) -> Tensor:
+        """``call`` as a relevance node with ``rule`` (as the pass carries it): the op's output, bitwise."""
+        # a converted rule reads the output and inputs as they came: it must write into neither
+        call.reusable = self.reusable or isinstance(rule, Converted)
+        return propagate(call, rule, self._observe if self.guard else self.audit)
+
     @staticmethod
-    def _native(call: OpCall, held: tuple[bool, ...]) -> Tensor:
+    def native(call: OpCall, held: tuple[bool, ...]) -> Tensor:
         """``call`` as plain autograd, the inputs flagged in ``held`` held constant (gates): no relevance node.
 
         The relevance per unit of activation is the op's own gradient there (what computed a gate is freed after
@@ -374,6 +360,11 @@ class Session(Guard, TorchFunctionMode):
             out = substitute(value, call.call_with(call.linearised_function, activations))
         call.output = out.detach()
         return out
+
+    def _note(self, *effect: Any) -> None:
+        """Tell the recording plan what the op being intercepted did (see :meth:`relprop.engine.plan.Recording.note`)."""
+        if self.recording is not None:
+            self.recording.note(*effect)
 
     @staticmethod
     def _check_accepts(call: OpCall, rule: Rule, source: str) -> None:
@@ -397,80 +388,31 @@ class Session(Guard, TorchFunctionMode):
         # several outputs: run on the model's graph and report where relevance enters
         return watch(call.call_with(func, call.activations), lambda relevance: self.report(call.describe(), relevance))
 
-    def custom_functions(self, args: tuple | list, module_name: str) -> None:
-        """Give every custom autograd Function whose output is among ``args`` its rule, once (a hook on its node).
-
-        The Function's forward is not intercepted as one op (see :func:`_custom_function`); its output is seen
-        when the module that applied it returns it or, once an op has read activations with gradients off (as
-        the ops of a Function's forward do), when the first op reads it. ``module_name``: the module that applied
-        it (for an op, the module of the last op that ran with gradients off).
-        """
-        for value in args:
-            if not isinstance(value, Tensor):
-                if type(value) in (list, tuple):
-                    self.custom_functions(value, module_name)
-                continue
-            node = value.grad_fn
-            if node is None or (function := _custom_function(type(node))) is None or hasattr(node, "_relprop_seen"):
-                continue
-            if self.gradient_form:  # its backward cannot be told the values a conversion needs
-                raise GradientFormUnavailable(f"relprop: custom autograd Function {function.__qualname__}")
-            setattr(node, "_relprop_seen", True)  # a Function's node is its ctx: it takes attributes
-            rule = self.composite.function_rule(function)
-            call = FunctionCall(function, module_name, rule if rule is not None else _Unhandled(self))
-            node.register_hook(functools.partial(self._custom_backward, call))
-
-    def _custom_backward(self, call: FunctionCall, grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
-        """The relevance crossing a custom Function: its rule's, or its own backward's (reported)."""
-        arriving = [g for g in grad_outputs if g is not None]
-        if not arriving:
-            return None
-        relevance = arriving[0] if len(arriving) == 1 else torch.cat([g.reshape(-1) for g in arriving])
-        result = tuple(grad_inputs)
-        if isinstance(call.rule, Pass):
-            slots = [i for i, g in enumerate(grad_inputs) if g is not None]
-            if len(slots) != 1 or len(arriving) != 1 or not broadcasts_to(grad_inputs[slots[0]].shape, relevance.shape):
-                raise RuleError(f"relprop: rule {call.rule!r} (func_map entry) cannot apply to {call.describe()}: "
-                                "it needs one differentiable input and one output that sums back to its shape")
-            result = tuple(sum_to(relevance, g.shape) if g is not None else None for g in grad_inputs)
-        elif isinstance(call.rule, _Unhandled):
-            self.report(call.describe(), relevance, consequence="its own backward was used as its gradient")
-        observe = self._observe if self.guard else self.audit
-        if observe is not None:
-            observe(call, relevance, result)
-        return result if isinstance(call.rule, Pass) else None
-
-    def report(self, description: str, relevance: Tensor, gradient: bool = True, consequence: str | None = None) -> None:
-        """Relevance reached an op without a rule: warn once (raise in strict mode).
-
-        ``gradient``: whether the op's plain gradient carries the relevance on; else it stops there.
-        ``consequence``: what became of the relevance, if neither.
-        """
-        consequence = consequence or ("its plain gradient was used" if gradient else
-                                      "it has no gradient either, so the relevance stops there")
-        if self.strict:
-            raise UnsupportedOpError(f"relprop: no rule for {description}; {consequence} (strict mode)")
-        if description not in self.unhandled:
-            self.unhandled.append(description)
-            warnings.warn(f"relprop: no rule for {description}; {consequence}", UnhandledOpWarning, stacklevel=2)
-
     # ------------------------------------------------------------ the mode
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self._engine_reads:
+            return func(*args, **kwargs)
+        if self.replay is not None:
+            return self.replay.run(self, func, args, kwargs)
+        if self.recording is not None:
+            return self.recording.intercept(self, func, args, kwargs)
+        return self.intercept(func, args, kwargs)
+
+    def intercept(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """``func(*args, **kwargs)`` handed to its op family: the op runs with its rule."""
         handler = HANDLERS.get(func)
         if handler is None and (resolved := resolve(func, args, kwargs)) is not None:
             handler, func, args, kwargs = resolved
         opaque = self.context.opaque
         if opaque or (handler not in ALWAYS_HANDLED and not has_activation(args, kwargs)):
             # no activation in: a constant out (also what is computed from parameters alone); inside an
-            # activation module, its output becomes one op in the exit hook. Ops on plain constants run as they
-            # are: a view of a fresh buffer made under no_grad could not take activations in place later
-            # (`buf[:, :4].copy_(h)`)
-            if not (opaque or has_parameter(args, kwargs)):
-                return func(*args, **kwargs)
-            with torch.no_grad():
-                return _constant_output(func(*args, **kwargs), args)
+            # activation module, its output becomes one op in the exit hook
+            with_parameters = bool(opaque) or has_parameter(args, kwargs)
+            out = self.constant(func, args, kwargs, with_parameters)
+            self._note("constant", with_parameters, out)
+            return out
         if not torch.is_grad_enabled():
             # an op on activations with gradients off: in a custom Function's forward (or a no_grad block); from
             # here on, the ops look for custom Functions' outputs among their arguments
@@ -487,3 +429,22 @@ class Session(Guard, TorchFunctionMode):
                 error.add_note(f"relprop: raised by {op_name(func)} in module '{self.module_name or '<root>'}' "
                                "during the attribution forward pass")
             raise
+
+    @staticmethod
+    def constant(func: Callable, args: tuple, kwargs: dict, with_parameters: bool) -> Any:
+        """An op on constants: as it is, or ``with_parameters`` (or inside an activation module) as a constant.
+
+        Ops on plain constants run as they are: a view of a fresh buffer made under no_grad could not take
+        activations in place later (``buf[:, :4].copy_(h)``).
+        """
+        if not with_parameters:
+            return func(*args, **kwargs)
+        with torch.no_grad():
+            return _constant_output(func(*args, **kwargs), args)
+
+    def routed(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """A routing op: run as it is (its gradient re-routes relevance exactly); a tag of its input carries over."""
+        out = func(*args, **kwargs)
+        self.aliases.routed(args, kwargs, out)
+        self._note("routed", out)
+        return out

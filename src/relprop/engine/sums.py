@@ -49,6 +49,8 @@ class InPlaceSumCall(AddCall):
     call that computed ``x``, may read the same copy (see :meth:`OpCall.protect`).
     """
 
+    replays = False  # it holds a copy of its input and the call that produced it
+
     def __init__(self, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str, before: Tensor,
                  alpha: float, producer: OpCall | None):
         super().__init__(func, args, kwargs, name, module_name, alpha)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from relprop import composites
 from relprop._core.errors import ConservationWarning
 from relprop._core.tensors import per_unit
+from relprop.engine.plan import PathChanged, Plans, Recording, Replay, pass_signature
 from relprop.engine.session import GradientFormUnavailable, Session
 from relprop.methods._inputs import Inputs, Target, as_tuple, forward_arguments
 from relprop.methods.adapters import hold_selective_parameters
@@ -174,6 +175,10 @@ class LRP(Attribution):
         self.composite = composites.get(composite)
         self.strict = strict
         self.guard = guard
+        #: whether passes that carry relevance per unit of activation follow a captured plan once one is recorded
+        #: for their input signature (:mod:`relprop.engine.plan`): the same relevance, for less time per op
+        self.replay = True
+        self._plans = Plans()
 
     @contextmanager
     def context(self) -> Iterator[Session]:
@@ -251,17 +256,43 @@ class LRP(Attribution):
         # and nothing reads the relevance of single ops (taps, the audit)
         gradient_form = (self.composite.gradient_form and taps is None and audit is None
                          and self.session_class is Session)
+        signature = (pass_signature(leaves, extra, keywords, reusable, self.guard, self.strict)
+                     if gradient_form and self.replay else None)
+        entry = self._plans.entry(signature) if signature is not None else None
+        if entry is not None:
+            entry.passes += 1
         while True:
+            replay = recording = None
+            if entry is not None and gradient_form:
+                if entry.plan is not None and not entry.plan.holds(self.composite, self.model):
+                    entry.plan = None  # the modules, the composite or a rule changed: recorded again
+                if entry.plan is not None:
+                    replay = Replay(entry.plan, leaves)
+                elif entry.passes > 1 and entry.failures < Plans.FAILURES:
+                    recording = Recording(leaves)
             try:
                 with self._session(taps, audit, tokens, reusable, gradient_form) as session:
+                    session.replay, session.recording = replay, recording
                     # the model sees copies, so that in-place ops on its inputs are allowed
                     output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra, **keywords)
+                logits = model_logits(output)
+                if session.replay is not None and not session.replay.finished(logits):
+                    raise PathChanged("relprop: the forward pass ended elsewhere than its plan")
                 break
             except GradientFormUnavailable:  # once more, carrying relevance itself
                 gradient_form = False
+            except Exception:
+                if session.replay is None:
+                    raise
+                # the forward took another path than the plan (or failed on it): once more under interception,
+                # where a real error is raised with its op and module
+                assert entry is not None
+                entry.plan, entry.failures = None, entry.failures + 1
+        if recording is not None:
+            assert entry is not None
+            entry.plan = recording.plan(logits, self.composite, self.model)
         embeddings = {_position(leaves, tokens[i]): found for i, found in session.embeddings.items()}
-        return ForwardPass(leaves, model_logits(output), embeddings, reusable, session if self.guard else None,
-                           gradient_form)
+        return ForwardPass(leaves, logits, embeddings, reusable, session if self.guard else None, gradient_form)
 
     @_eager
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,

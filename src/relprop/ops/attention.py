@@ -34,6 +34,10 @@ class AttentionCall(OpCall):
         # model in eval mode, so a call with dropout gets a graph of its own without it
         super().__init__(OpKind.ATTENTION, func, args, kwargs, op_name(func), module_name,
                          linearised=_without_dropout if bound.get("dropout_p") else None)
+
+    def _bind(self, args: tuple, kwargs: dict) -> None:
+        super()._bind(args, kwargs)
+        bound = bind_builtin(SDPA_ARGUMENTS, args, kwargs)
         self._parts = {key: constant(bound.get(key)) for key in SDPA_ARGUMENTS}
         # a float mask computed from activations (SAM's decomposed relative positions) is a score term too
         self._roles = [key for key in SDPA_TENSORS if is_activation(bound.get(key))]

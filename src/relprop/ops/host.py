@@ -40,6 +40,9 @@ class OpHost(Protocol):
     def run(self, call: OpCall, rule: Rule | None = None, source: str = ...) -> Any:
         """Run ``call`` as a relevance node with its rule (``rule``, or the composite's choice)."""
 
+    def routed(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """A routing op, run as it is; a tag of its input carries over to its output."""
+
     def rule_for(self, call: OpCall) -> tuple[Rule | None, str]:
         """The composite's rule for ``call``, and where it came from."""
 

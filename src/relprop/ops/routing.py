@@ -24,9 +24,7 @@ def _run(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     A tag of the first argument (gate, attention weights) carries over: a
     reshaped or cast gate is still a gate.
     """
-    out = func(*args, **kwargs)
-    session.aliases.routed(args, kwargs, out)
-    return out
+    return session.routed(func, args, kwargs)
 
 
 def _hook(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:

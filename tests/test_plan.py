@@ -1,0 +1,198 @@
+"""Captured plans: later passes of an input signature follow the decisions of a recorded one.
+
+A replayed pass must give the relevance interception gives, bitwise, and must notice every change that would
+change a decision (another path through the model, another constant, a new parameter, a changed rule) before
+the op it concerns runs, falling back to interception.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import relprop
+from relprop.engine import Session, plan
+
+transformers = pytest.importorskip("transformers")
+
+
+class Counted:
+    """Counts the ops handed to op families (interception) and the ops replayed."""
+
+    def __init__(self, monkeypatch):
+        self.intercepted = self.replayed = 0
+        intercept, run = Session.intercept, plan.Replay.run
+
+        def counted_intercept(session, *args):
+            self.intercepted += 1
+            return intercept(session, *args)
+
+        def counted_run(replay, *args):
+            self.replayed += 1
+            return run(replay, *args)
+        monkeypatch.setattr(Session, "intercept", counted_intercept)
+        monkeypatch.setattr(plan.Replay, "run", counted_run)
+
+    def reset(self):
+        self.intercepted = self.replayed = 0
+
+
+def hugging_face(name):
+    T = transformers
+    torch.manual_seed(0)
+    if name == "llama":
+        config = T.LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=32)
+        return T.LlamaForCausalLM(config).eval(), (-1, 5)
+    if name == "bert":
+        config = T.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=32)
+        return T.BertForSequenceClassification(config).eval(), 1
+    config = T.GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    return T.GPT2LMHeadModel(config).eval(), (-1, 5)
+
+
+IDS = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("preset", ["attnlrp", "cp-lrp"])
+@pytest.mark.parametrize("name", ["llama", "bert", "gpt2"])
+def test_a_replayed_pass_gives_the_relevance_of_interception_bitwise(name, preset, monkeypatch):
+    model, target = hugging_face(name)
+    reference = relprop.LRP(model, preset)
+    reference.replay = False
+    expected = reference.attribute(IDS, target=target)
+    lrp = relprop.LRP(model, preset)
+    counted = Counted(monkeypatch)
+    for attempt in range(4):  # interception, recorded, replayed, replayed
+        counted.reset()
+        relevance = lrp.attribute(IDS, target=target)
+        assert torch.equal(relevance, expected), attempt
+        assert (counted.intercepted == 0) == (attempt >= 2), (attempt, counted.intercepted)
+    assert counted.replayed > 50
+
+
+def test_a_recorded_pass_replays_many_seeds():
+    model, _ = hugging_face("llama")
+    lrp = relprop.LRP(model, "attnlrp")
+    expected = [lrp.attribute(IDS, target=(-1, token)) for token in (3, 7, 11)]  # the last one is replayed
+    explained = lrp.record(IDS)
+    for token, reference in zip((3, 7, 11), expected):
+        (relevance,) = explained.relevance(relprop.output_relevance(explained.logits, (-1, token)))
+        assert torch.equal(relevance, reference)
+
+
+class Branching(nn.Module):
+    """A model whose path depends on its input's values, on a Python attribute and on a parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.scale = 2.0
+
+    def forward(self, x):
+        h = self.first(x)
+        h = F.gelu(h) if h.sum() > 0 else torch.tanh(h) * 3  # Tensor.__bool__: a Python value from the data
+        return self.second(h * self.scale)
+
+
+def attributions(lrp, x, times=3):
+    return [lrp.attribute(x, target=1) for _ in range(times)]
+
+
+def interception(model, x, preset="attnlrp"):
+    lrp = relprop.LRP(model, preset)
+    lrp.replay = False
+    return lrp.attribute(x, target=1)
+
+
+def test_a_pass_that_takes_another_path_is_explained_under_interception(monkeypatch):
+    torch.manual_seed(0)
+    model = Branching().eval()
+    positive = torch.randn(4, 6)
+    with torch.no_grad():
+        negative = -positive if model.first(positive).sum() > 0 else positive
+        positive = -negative
+    lrp = relprop.LRP(model, "attnlrp")
+    attributions(lrp, positive)  # the third follows the plan
+    counted = Counted(monkeypatch)
+    relevance = lrp.attribute(negative, target=1)  # same signature, the other branch
+    assert counted.replayed > 0 and counted.intercepted > 0  # it started on the plan, then fell back
+    assert torch.equal(relevance, interception(model, negative))
+    assert torch.equal(lrp.attribute(positive, target=1), interception(model, positive))
+
+
+@pytest.mark.parametrize("change", ["constant", "new parameter", "parameter memory", "module rule", "composite"])
+def test_a_change_that_concerns_a_decision_is_seen(change):
+    torch.manual_seed(0)
+    model = Branching().eval()
+    x = torch.randn(4, 6)
+    lrp = relprop.LRP(model, "attnlrp")
+    attributions(lrp, x)
+    if change == "constant":
+        model.scale = 0.5
+    elif change == "new parameter":
+        model.second.weight = nn.Parameter(torch.randn(3, 8))
+    elif change == "parameter memory":
+        model.second.weight.data = torch.randn(3, 8)
+    elif change == "module rule":
+        model.second.rule = relprop.rules.Epsilon(0.5)
+    else:
+        lrp.composite.dense = relprop.rules.Epsilon(0.5)
+    expected = relprop.LRP(model, lrp.composite)
+    expected.replay = False
+    for _ in range(3):
+        assert torch.equal(lrp.attribute(x, target=1), expected.attribute(x, target=1)), change
+
+
+def test_a_pass_is_replayed_with_a_rule_changed_in_place_only_after_it_is_recorded_again():
+    torch.manual_seed(0)
+    model = Branching().eval()
+    x = torch.randn(4, 6)
+    lrp = relprop.LRP(model, "attnlrp")
+    attributions(lrp, x)
+    lrp.composite.dense.epsilon = 0.25  # the rule object itself changes
+    reference = relprop.LRP(model, lrp.composite)
+    reference.replay = False
+    assert torch.equal(lrp.attribute(x, target=1), reference.attribute(x, target=1))
+
+
+def test_passes_that_carry_relevance_itself_record_no_plan(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    lrp = relprop.LRP(model, "epsilon-plus-flat")
+    counted = Counted(monkeypatch)
+    attributions(lrp, torch.randn(2, 6), times=4)
+    assert counted.replayed == 0
+
+
+def test_an_op_in_place_leaves_the_pass_without_a_plan(monkeypatch):
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(6, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = self.first(x)
+            h.mul_(2)
+            return self.second(h)
+
+    torch.manual_seed(0)
+    model = InPlace().eval()
+    x = torch.randn(2, 6)
+    lrp = relprop.LRP(model, "attnlrp")
+    counted = Counted(monkeypatch)
+    results = attributions(lrp, x, times=4)
+    assert counted.replayed == 0
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+def test_a_replayed_pass_leaves_the_model_as_it_was():
+    model, target = hugging_face("llama")
+    lrp = relprop.LRP(model, "attnlrp")
+    for _ in range(3):
+        lrp.attribute(IDS, target=target)
+    model.train()
+    with pytest.warns(UserWarning, match="training mode"):
+        lrp.attribute(IDS, target=target)
+    assert all(module.training for module in model.modules())
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
