@@ -327,6 +327,64 @@ def test_nan_in_a_seed_of_few_rows_reaches_the_relevance_of_its_example():
     assert torch.isfinite(relevance[0]).all() and torch.isnan(relevance[1]).any()
 
 
+class _Head(nn.Module):
+    """Token features through a dense layer and a vocabulary head much wider than them (a node in gradient form)."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.embed, self.act, self.head = nn.Embedding(40, 8), nn.SiLU(), nn.Linear(8, 200, bias=bias)
+        self.body = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return self.head(self.act(self.body(self.embed(ids))))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(epsilon=1e-2),
+    dict(name_map={"head": relprop.rules.Epsilon(1e-2, zero_bias=True)}),
+], ids=["epsilon", "zero-bias"])
+@pytest.mark.parametrize("target", [(-1, 3), [(-1, 3), (2, 150)]], ids=["one-hot", "rows"])
+def test_a_stabilised_head_scales_and_transposes_the_rows_that_hold_relevance_alone(kwargs, target, monkeypatch):
+    from relprop.engine import parametric
+
+    torch.manual_seed(0)
+    model = _Head(bias=True).double().eval()
+    gradient_form, relevance_form = both_forms("attnlrp", **kwargs)
+    lrp = relprop.LRP(model, gradient_form)
+    found = _spied(parametric, monkeypatch)
+    relevance = lrp.attribute(IDS, target=target)
+    assert [rows.tolist() for rows in found] == [[6, 13] if target == (-1, 3) else [6, 9]]
+    monkeypatch.setattr(parametric, "held_rows", lambda tensor: None)  # the head's whole output scaled
+    assert torch.equal(relevance, lrp.attribute(IDS, target=target))
+    expected = relprop.LRP(model, relevance_form).attribute(IDS, target=target)
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 1e-2])
+def test_a_llama_of_a_large_vocabulary_in_gradient_form_equals_the_relevance_form(epsilon, monkeypatch):
+    """The seed divided in its one row, the head's product of that row alone: as the relevance form gives."""
+    from relprop.engine import parametric
+    from relprop.methods import attribution
+    from relprop.ops import linear
+
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    ids = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(1))
+    gradient_form, relevance_form = both_forms("attnlrp", epsilon=epsilon)
+    seeds, heads, products = (_spied(module, monkeypatch) for module in (attribution, parametric, linear))
+    relevance = relprop.LRP(model, gradient_form).attribute(ids, target=(-1, 42))
+    assert [rows.tolist() for rows in seeds] == [[11]]
+    # a stabilised head scales its one row and multiplies it alone; LRP-0's transposed product finds the row
+    assert [rows.tolist() for rows in heads] == ([[11]] if epsilon else [])
+    assert [rows.tolist() for rows in products] == ([] if epsilon else [[11]])
+    expected = relprop.LRP(model, relevance_form).attribute(ids, target=(-1, 42))
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(relevance, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+
+
 def test_lrp0_in_bfloat16_divides_by_nothing_in_gradient_form():
     """The relevance form stabilises LRP-0 with bfloat16's machine epsilon (its 1 / z would overflow); the
     gradient form divides by nothing, so it is LRP-0 itself, close to the float64 relevance."""
