@@ -264,21 +264,125 @@ def test_a_hook_on_an_activation_gets_relevance_itself():
     assert torch.equal(found[0], found[1])
 
 
+def _spied(module, monkeypatch):
+    """A list of what ``module.held_rows`` finds from now on (None: not few rows)."""
+    found, original = [], module.held_rows
+    monkeypatch.setattr(module, "held_rows", lambda tensor: found.append(original(tensor)) or found[-1])
+    return found
+
+
+SEEDS = {"one-hot": [(0, 6, 3)], "rows": [(0, 6, 3), (0, 2, 7), (1, 6, 3), (1, 6, 39)],
+         "negative": [(0, 6, 3), (1, 0, 11)]}
+
+
 @pytest.mark.parametrize("owned", [True, False])
-def test_a_sparse_seed_is_divided_at_its_nonzero_entries_alike(owned, monkeypatch):
-    """Large seeds with few nonzero entries (one logit of a vocabulary) are divided there alone."""
+@pytest.mark.parametrize("entries", SEEDS.values(), ids=SEEDS)
+def test_a_seed_in_few_rows_is_divided_there_alone_and_bitwise_as_a_whole(entries, owned, monkeypatch):
+    """A seed whose entries lie in a few rows (positions) is divided by the logits in those rows alone."""
     from relprop.methods import attribution
 
     torch.manual_seed(0)
-    model = Decoder(fused=True).double().eval()
-    explained = relprop.LRP(model, "attnlrp").record(IDS)
-    seed = relprop.output_relevance(explained.logits, (-1, 3))
-    expected = explained.propagate(seed.clone(), owned)
-    monkeypatch.setattr(attribution, "_SPARSE_SEED", 0)
+    explained = relprop.LRP(Decoder(fused=True).double().eval(), "attnlrp").record(IDS)
+    logits = explained.logits.detach()
+    seed = torch.zeros_like(logits)
+    for sign, index in zip((1, -1, 2.5, -0.5), entries):
+        seed[index] = sign * logits[index]
+    found = _spied(attribution, monkeypatch)
     given = seed.clone()
-    found = explained.propagate(given, owned)
-    assert torch.equal(found[0], expected[0])
+    carried = explained._carried(given, owned)
+    assert len(found) == 1 and found[0].tolist() == sorted({7 * b + t for b, t, _ in entries})
+    assert torch.equal(carried, torch.where(logits == 0, 0.0, seed / logits))  # bitwise, 0 off the seed
     assert torch.equal(given, seed) or owned  # a seed not owned is left as it was
+    relevance = explained.propagate(seed.clone(), owned)
+    monkeypatch.setattr(attribution, "held_rows", lambda tensor: None)  # the whole seed divided
+    assert torch.equal(explained._carried(seed.clone(), owned), carried)
+    assert torch.equal(explained.propagate(seed.clone(), owned)[0], relevance[0])
+
+
+def test_a_seed_on_an_output_of_zero_in_few_rows_is_reported_in_gradient_form():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU()).double().eval()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4, 3, dtype=torch.float64))
+        model[0].bias.zero_()
+    x = torch.tensor([[1.0, -1.0, 2.0], [1.0, 1.0, 1.0], [3.0, 2.0, 1.0]], dtype=torch.float64)
+    explained = relprop.LRP(model, "attnlrp").record(x)  # outputs 1, 0, 2, 0 in the first row
+    seed = torch.zeros(3, 4, dtype=torch.float64)
+    seed[0] = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        explained.relevance(seed)  # no warning
+    seed[0, 1] = 1.0
+    with pytest.warns(relprop.ConservationWarning, match="outputs of value 0"):
+        explained.relevance(seed)
+
+
+def test_nan_in_a_seed_of_few_rows_reaches_the_relevance_of_its_example():
+    torch.manual_seed(0)
+    explained = relprop.LRP(Decoder(fused=True).double().eval(), "attnlrp").record(IDS)
+    seed = relprop.output_relevance(explained.logits, (-1, 3))
+    seed[1, -1, 3] = math.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the guard reports the NaN
+        (relevance,) = explained.relevance(seed)
+    assert torch.isfinite(relevance[0]).all() and torch.isnan(relevance[1]).any()
+
+
+class _Head(nn.Module):
+    """Token features through a dense layer and a vocabulary head much wider than them (a node in gradient form)."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.embed, self.act, self.head = nn.Embedding(40, 8), nn.SiLU(), nn.Linear(8, 200, bias=bias)
+        self.body = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return self.head(self.act(self.body(self.embed(ids))))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(epsilon=1e-2),
+    dict(name_map={"head": relprop.rules.Epsilon(1e-2, zero_bias=True)}),
+], ids=["epsilon", "zero-bias"])
+@pytest.mark.parametrize("target", [(-1, 3), [(-1, 3), (2, 150)]], ids=["one-hot", "rows"])
+def test_a_stabilised_head_scales_and_transposes_the_rows_that_hold_relevance_alone(kwargs, target, monkeypatch):
+    from relprop.engine import parametric
+
+    torch.manual_seed(0)
+    model = _Head(bias=True).double().eval()
+    gradient_form, relevance_form = both_forms("attnlrp", **kwargs)
+    lrp = relprop.LRP(model, gradient_form)
+    found = _spied(parametric, monkeypatch)
+    relevance = lrp.attribute(IDS, target=target)
+    assert [rows.tolist() for rows in found] == [[6, 13] if target == (-1, 3) else [6, 9]]
+    monkeypatch.setattr(parametric, "held_rows", lambda tensor: None)  # the head's whole output scaled
+    assert torch.equal(relevance, lrp.attribute(IDS, target=target))
+    expected = relprop.LRP(model, relevance_form).attribute(IDS, target=target)
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 1e-2])
+def test_a_llama_of_a_large_vocabulary_in_gradient_form_equals_the_relevance_form(epsilon, monkeypatch):
+    """The seed divided in its one row, the head's product of that row alone: as the relevance form gives."""
+    from relprop.engine import parametric
+    from relprop.methods import attribution
+    from relprop.ops import linear
+
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    ids = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(1))
+    gradient_form, relevance_form = both_forms("attnlrp", epsilon=epsilon)
+    seeds, heads, products = (_spied(module, monkeypatch) for module in (attribution, parametric, linear))
+    relevance = relprop.LRP(model, gradient_form).attribute(ids, target=(-1, 42))
+    assert [rows.tolist() for rows in seeds] == [[11]]
+    # a stabilised head scales its one row and multiplies it alone; LRP-0's transposed product finds the row
+    assert [rows.tolist() for rows in heads] == ([[11]] if epsilon else [])
+    assert [rows.tolist() for rows in products] == ([] if epsilon else [[11]])
+    expected = relprop.LRP(model, relevance_form).attribute(ids, target=(-1, 42))
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(relevance, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
 
 
 def test_lrp0_in_bfloat16_divides_by_nothing_in_gradient_form():

@@ -197,14 +197,31 @@ def test_a_constant_matrix_on_the_left_stays_a_linear_map_of_the_sum_kind():
     assert call.kind == OpKind.SUM and dense.kind == OpKind.DENSE
 
 
+def test_the_rows_that_hold_relevance_count_nan_and_infinities_and_not_negative_zero():
+    from relprop._core.tensors import held_rows
+
+    grad = torch.zeros(2, 5, 3)
+    grad[0, 1, 2], grad[1, 0, 0], grad[1, 3, 1], grad[0, 4, 0] = math.nan, -math.inf, -2.0, -0.0
+    assert held_rows(grad).tolist() == [1, 5, 8]
+    assert held_rows(grad[:, :4]).tolist() == [1, 4, 7]  # 3 rows of 8, strided
+    grad[:, :2] = 1.0  # 5 rows of 10: at most half
+    assert held_rows(grad).tolist() == [0, 1, 5, 6, 8]
+    grad[0, 2] = 1.0  # 6 rows of 10: too many to skip the others
+    assert held_rows(grad) is None
+    assert held_rows(torch.tensor(1.0)) is None and held_rows(torch.zeros(4)) is None
+    assert held_rows(torch.zeros(0, 3)) is None and held_rows(torch.zeros(3, 0)) is None
+
+
 def _sparse_forms(monkeypatch):
-    """A list that records each sparse form ``ops.dense_transpose`` takes from now on (``index_copy_``: rows;
-    ``index_add_``: entries), with the number of rows it writes."""
+    """A list that records each sparse form ``ops.dense_transpose`` takes from now on, with the number of rows
+    (``index_copy_`` of the product of those rows) or columns (``index_select`` of the weight rows they select)
+    it multiplies."""
     taken = []
-    for name in ("index_copy_", "index_add_"):
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, dim, index, source, *args, name=name, original=original:
-                            taken.append((name, index.numel())) or original(self, dim, index, source, *args))
+    original_copy, original_select = torch.Tensor.index_copy_, torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, dim, index, source:
+                        taken.append(("rows", index.numel())) or original_copy(self, dim, index, source))
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, dim, index:
+                        (dim == 0 and taken.append(("columns", index.numel()))) or original_select(self, dim, index))
     return taken
 
 
@@ -220,24 +237,28 @@ def test_a_dense_transposed_product_of_relevance_in_a_few_rows_multiplies_those_
     grad = torch.zeros(2, 64, 4096, dtype=torch.float64)
     grad[0, 3] = torch.randn(4096, dtype=torch.float64)  # two tokens carry relevance (BERT's [CLS] carries all)
     grad[1, 63, :7] = torch.randn(7, dtype=torch.float64)
+    grad[1, 5, 9] = -0.0  # a zero all the same
     result, taken = _spied_dense_transpose(grad, weight, monkeypatch)
-    assert taken == [("index_copy_", 2)]
+    assert taken == [("rows", 2)]
     assert result[0, :3].eq(0).all() and result[1, :63].eq(0).all()
+    # each row bitwise as in the product of the rows that hold relevance
+    assert torch.equal(result.view(-1, 256)[[3, 127]], grad.view(-1, 4096)[[3, 127]] @ weight)
     torch.testing.assert_close(result, grad @ weight, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("nonzeros_per_row", [1, 3])
-def test_a_dense_transposed_product_of_few_entries_in_many_rows_sums_the_weight_rows_they_select(
+def test_a_dense_transposed_product_of_few_columns_in_many_rows_multiplies_the_weight_rows_they_select(
         nonzeros_per_row, monkeypatch):
     torch.manual_seed(0)
     weight = torch.randn(40000, 64, dtype=torch.float64)
     grad = torch.zeros(1, 8, 40000, dtype=torch.float64)  # every token holds a few entries (one logit each)
     for token in range(8):
         grad[0, token, torch.randperm(40000)[:nonzeros_per_row]] = torch.randn(nonzeros_per_row, dtype=torch.float64)
+    columns = grad[0].ne(0).any(0).sum().item()
     result, taken = _spied_dense_transpose(grad, weight, monkeypatch)
-    assert taken == [("index_add_", 8 * nonzeros_per_row)]
+    assert taken == [("columns", columns)]
     expected = grad @ weight
-    if nonzeros_per_row == 1:  # one row of the weight, scaled: bitwise the dense product
+    if nonzeros_per_row == 1:  # one row of the weight, scaled, plus zeros: bitwise the dense product
         assert torch.equal(result, expected)
     torch.testing.assert_close(result, expected, rtol=0, atol=1e-12)
 
@@ -245,7 +266,7 @@ def test_a_dense_transposed_product_of_few_entries_in_many_rows_sums_the_weight_
 def test_a_dense_transposed_product_of_dense_or_small_relevance_is_the_plain_product(monkeypatch):
     torch.manual_seed(0)
     weight, dense = torch.randn(4096, 64), torch.randn(64, 4096)
-    dense[:, ::2] = 0  # half the entries of every row nonzero: neither sparse form pays
+    dense[:, ::2] = 0  # half the entries of every row nonzero, in half the columns: neither sparse form pays
     result, taken = _spied_dense_transpose(dense, weight, monkeypatch)
     assert taken == [] and torch.equal(result, dense @ weight)
     small = torch.zeros(4, 4096)
@@ -253,9 +274,18 @@ def test_a_dense_transposed_product_of_dense_or_small_relevance_is_the_plain_pro
     assert small.numel() * weight.shape[1] < linear.SPARSE_PRODUCT_SIZE
     result, taken = _spied_dense_transpose(small, weight, monkeypatch)
     assert taken == [] and torch.equal(result, small @ weight)
+
+
+@pytest.mark.parametrize("rows", [1, 64], ids=["rows", "columns"])
+def test_nan_in_a_dense_transposed_product_reaches_its_row_as_in_the_dense_product(rows, monkeypatch):
+    weight = torch.randn(4096, 64)
     nan = torch.zeros(64, 4096)
-    nan[0, 0] = math.nan  # counted as nonzero: it reaches the result as in the dense product
-    assert torch.isnan(ops.dense_transpose(nan, weight)[0]).all() and ops.dense_transpose(nan, weight)[1:].eq(0).all()
+    nan[:rows, 7] = 1.0  # one row (its rows multiplied) or every row (the one column multiplied)
+    nan[0, 0] = math.nan  # counted as relevance: it reaches the result as in the dense product
+    result, taken = _spied_dense_transpose(nan, weight, monkeypatch)
+    assert taken == ([("rows", 1)] if rows == 1 else [("columns", 2)])
+    assert torch.isnan(result[0]).all() and not torch.isnan(result[1:]).any()
+    torch.testing.assert_close(result[1:], nan[1:] @ weight, rtol=0, atol=1e-5)
 
 
 def test_the_language_model_head_of_a_llama_hands_on_relevance_through_its_sparse_form_exactly(monkeypatch):
@@ -282,8 +312,8 @@ def test_every_dense_rule_takes_the_sparse_transposed_product_to_float64_roundin
     lrp = relprop.LRP(model.eval(), relprop.Composite(dense=rule))
     taken = _sparse_forms(monkeypatch)
     sparse = lrp.attribute(x, target=[5, 17, 39999])
-    # the head's products: the 3 weight rows the logits select, summed (each example's row holds relevance)
-    assert taken and all(form == ("index_add_", 3) for form in taken)
+    # the head's products: the 3 weight rows the logits select (each example's row holds relevance)
+    assert taken and all(form == ("columns", 3) for form in taken)
     monkeypatch.setattr(linear, "SPARSE_PRODUCT_SIZE", 1 << 62)
     dense = lrp.attribute(x, target=[5, 17, 39999])
     assert dense.abs().sum() > 0

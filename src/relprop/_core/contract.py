@@ -120,6 +120,13 @@ class ParametricView(Call, Protocol):
     def transpose_with(self, grad: Tensor, weight: Tensor, like: Tensor | None = None) -> Tensor:
         """The VJP of the op with ``weight`` with respect to its input: one transposed product (if transposable)."""
 
+    def vjp_scaled(self, grad: Tensor, scale: Callable[[Tensor, Tensor | None], Tensor]) -> tuple[Tensor | None, ...]:
+        """:meth:`vjp` of ``grad * scale(z, b)`` (``z`` the output, ``b`` the bias broadcast against it, or None).
+
+        ``scale`` must work entry by entry: where few rows of a dense layer's ``grad`` hold relevance, it may see
+        those rows of the output alone.
+        """
+
     def transpose_beside(self, grad: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         """``W^T grad`` and ``weight^T grad`` from one transposed product (where the weight allows)."""
 

@@ -1,4 +1,4 @@
-"""Tensor utilities: what counts as an activation, and gradients summed back to a shape."""
+"""Tensor utilities: what counts as an activation, gradients summed back to a shape, the rows that hold entries."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -62,6 +62,40 @@ def per_unit(relevance: Tensor, x: Tensor, owned: bool = False) -> Tensor:
     """
     quotient = relevance.div_(x) if owned and relevance.shape == x.shape else relevance / x
     return quotient.masked_fill_(x == 0, 0.0)
+
+
+def holds(tensor: Tensor, dim: int) -> Tensor:
+    """Whether each slice of ``tensor`` along ``dim`` holds an entry other than 0 (NaN and infinities do).
+
+    ``amax`` and ``amin`` over ``dim`` (both propagate NaN): on a CPU torch's
+    ``any`` reduction of a floating-point tensor is several times slower than
+    the two together.
+    """
+    return tensor.amax(dim).ne(0).logical_or_(tensor.amin(dim).ne(0))
+
+
+#: rows are worked on alone where at most this share of them hold entries: gathering them and scattering the
+#: result costs a pass over the rows taken, which the rows skipped pay for
+HELD_ROWS_SHARE = 0.5
+
+
+def held_rows(tensor: Tensor) -> Tensor | None:
+    """The rows of ``tensor`` that hold entries other than 0, where they are few: their indices, ascending.
+
+    ``tensor`` is taken as rows of its last dimension (``reshape(-1,
+    tensor.shape[-1])``): relevance at a few positions of a sequence (one
+    next-token logit of a vocabulary) leaves most of them 0. None where
+    more than :data:`HELD_ROWS_SHARE` of the rows hold entries, and for a
+    tensor with no rows to skip (fewer than 2 dimensions, or empty). NaN
+    and infinities count as entries. Two reductions over ``tensor`` find the
+    rows (:func:`holds`); ``nonzero``, slow on a CPU, then reads their mask
+    alone.
+    """
+    if tensor.dim() < 2 or not tensor.numel():
+        return None
+    flat = tensor.reshape(-1, tensor.shape[-1])
+    rows = holds(flat, 1).nonzero().squeeze(1)
+    return rows if len(rows) <= HELD_ROWS_SHARE * len(flat) else None
 
 
 def has_activation(args: tuple, kwargs: dict) -> bool:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from relprop._core.kinds import OpKind
-from relprop._core.tensors import is_activation
+from relprop._core.tensors import held_rows, is_activation
 from relprop.engine.calls import OpCall
 from relprop.engine.nodes import is_relevance_node
 
@@ -321,6 +321,26 @@ class ParametricCall(OpCall):
         if self._weight.numel() < grad.numel():
             return (transpose(grad, self.weight),)
         return (transpose(grad * self._output_shape(self._batch_norm[0])),)
+
+    def vjp_scaled(self, grad: Tensor, scale: Callable[[Tensor, Tensor | None], Tensor]) -> tuple[Tensor | None, ...]:
+        """:meth:`vjp` of ``grad * scale(z, b)``: ``z`` the output, ``b`` the bias broadcast against it (None without).
+
+        On a vocabulary head (:attr:`_head`) whose ``grad`` holds relevance in
+        few rows (:func:`~relprop._core.tensors.held_rows`), ``scale`` sees
+        those rows of the output alone (``b``: the bias vector) and their
+        product alone is transposed: a dense layer maps each row of its input
+        to the same row of its output, so the other rows of the result are 0,
+        and every entry of the scaled rows is bitwise as on the whole output.
+        """
+        transpose = self._transpose if self._head and self._batch_norm is None else None
+        rows = None if transpose is None else held_rows(grad)
+        if transpose is None or rows is None:
+            return self.vjp(grad * scale(self.output, None if self.bias is None else self.bias_term()))
+        width = grad.shape[-1]
+        held = grad.reshape(-1, width)[rows]
+        found = transpose(held.mul_(scale(self.output.reshape(-1, width)[rows], self.bias)))
+        out = found.new_zeros(grad.numel() // width, found.shape[-1]).index_copy_(0, rows, found)
+        return (out.view(*grad.shape[:-1], found.shape[-1]),)
 
     @property
     def runs_as_autograd(self) -> bool:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from relprop import composites
 from relprop._core.errors import ConservationWarning
-from relprop._core.tensors import per_unit
+from relprop._core.tensors import held_rows, per_unit
 from relprop.engine.plan import PathChanged, Plans, Recording, Replay, pass_signature
 from relprop.engine.session import GradientFormUnavailable, Session
 from relprop.methods._inputs import Inputs, Target, as_tuple, forward_arguments
@@ -364,13 +364,6 @@ def _position(items: Sequence[Tensor], item: Tensor) -> int:
     return next(i for i, candidate in enumerate(items) if candidate is item)
 
 
-
-
-#: a seed of this many entries or more is divided by the logits at its nonzero entries alone, where they are few
-#: (a next-token logit among a vocabulary at every position): finding them costs more on smaller seeds
-_SPARSE_SEED = 1 << 22
-
-
 class ForwardPass:
     """One forward pass under the engine: the inputs as it saw them, the logits, the token embeddings.
 
@@ -437,22 +430,24 @@ class ForwardPass:
         """What the backward pass starts from: the seed, or in gradient form the seed per unit of the logits.
 
         ``owned``: the seed may be overwritten. A seed entry at a logit of exactly 0 has no such form: it is lost,
-        with a warning.
+        with a warning. Where few rows of the seed (along its last dimension) hold entries, those rows alone are
+        divided and checked (:func:`~relprop._core.tensors.held_rows`): the others are 0 either way.
         """
         if not self.gradient_form:
             return seed
         logits = self.logits.detach()
         if seed.dtype != logits.dtype or not seed.is_contiguous():
             seed, owned = seed.to(logits.dtype, memory_format=torch.contiguous_format), True
-        if seed.numel() < _SPARSE_SEED or torch.count_nonzero(seed) * 64 > seed.numel():
+        rows = held_rows(seed)
+        if rows is None:
             lost = ((logits == 0) & (seed != 0)).any()
             carried = per_unit(seed, logits, owned)
-        else:  # a few targets among many outputs (a vocabulary): only those are divided, in place where allowed
-            flat = seed.view(-1)
-            where = flat.nonzero().squeeze(1)
-            at = logits.reshape(-1)[where]
-            lost = (at == 0).any()
-            carried = (flat if owned else torch.zeros_like(flat)).index_put_((where,), per_unit(flat[where], at))
+        else:  # a few positions explained (a next-token logit of a vocabulary): their rows alone are divided
+            width = seed.shape[-1]
+            flat, at = seed.view(-1, width), logits.reshape(-1, width)[rows]
+            held = flat[rows]
+            lost = ((at == 0) & (held != 0)).any()
+            carried = (flat if owned else torch.zeros_like(flat)).index_copy_(0, rows, per_unit(held, at, owned=True))
         if lost:
             warnings.warn("relprop: the seed gives relevance to outputs of value 0, which relevance per unit of "
                           "activation cannot carry; it is lost (explain with a composite without gradient_form)",

@@ -11,7 +11,7 @@ from torch import Tensor
 from relprop._core.kinds import OpKind
 from relprop._core.registry import Handler, lookup, op_name, register, torch_and_tensor
 from relprop._core.signatures import bind, bind_builtin
-from relprop._core.tensors import constant, is_activation
+from relprop._core.tensors import constant, held_rows, holds, is_activation
 from relprop.engine.parametric import ParametricCall
 from relprop.ops.host import OpHost
 from relprop.ops.products import _ADD_PRODUCTS, _MATRIX
@@ -43,11 +43,12 @@ def _conv_vjp(x: Tensor, weight: Tensor, options: dict, transposed: bool) -> Cal
     return transpose
 
 
-#: a dense layer's transposed product ``grad @ W`` counts the nonzero entries of ``grad`` from this many
-#: multiply-adds on (one pass over ``grad``, against ``in_features`` multiply-adds per entry of it) ...
+#: a dense layer's transposed product ``grad @ W`` looks for the rows and columns of ``grad`` that hold relevance
+#: from this many multiply-adds on (a few reductions over ``grad``, against ``in_features`` multiply-adds per entry)
 SPARSE_PRODUCT_SIZE = 1 << 24
-#: ... and skips its zeros where at most this share of its entries is nonzero
-SPARSE_SHARE = 1 / 64
+#: ... and multiplies the columns that hold relevance alone where at most this share of them do: the copies of
+#: those columns and of their weight rows cost a pass over each, so the product must shrink well below its size
+SPARSE_COLUMNS_SHARE = 1 / 4
 
 
 def dense_transpose(grad: Tensor, weight: Tensor) -> Tensor:
@@ -57,25 +58,26 @@ def dense_transpose(grad: Tensor, weight: Tensor) -> Tensor:
     language-model head puts it in one entry of ``(tokens, vocabulary)``, and
     a classifier that reads one token of a sequence (BERT's ``[CLS]``) hands
     relevance to that token's row alone. There the product skips the zeros:
-    where at most half the rows of ``grad`` hold relevance, those rows are
-    multiplied alone; else the rows of ``weight`` that the nonzero entries
-    select are scaled and summed. Both equal the dense product up to the
-    order of its sums (one row of ``weight``, scaled, is bitwise the dense
-    product's row). On a CPU only: the count is needed on the host, and on a
+    where at most half the rows of ``grad`` hold relevance
+    (:func:`~relprop._core.tensors.held_rows`), those rows are multiplied
+    alone, each bitwise as in the dense product of those rows; else, where
+    few columns hold relevance (a logit explained at every position), those
+    columns are multiplied with the weight rows they select. Both equal the
+    dense product up to the order of its sums. On a CPU only: the sparse
+    forms read how many rows or columns hold relevance on the host, and on a
     GPU reading it waits for every kernel queued before.
     """
     if grad.device.type != "cpu" or grad.numel() * weight.shape[1] < SPARSE_PRODUCT_SIZE:
         return grad @ weight
     flat = grad.reshape(-1, grad.shape[-1])
-    if int(torch.count_nonzero(flat)) > SPARSE_SHARE * flat.numel():  # NaN and inf count as nonzero
-        return grad @ weight
-    rows, columns = flat.nonzero(as_tuple=True)
-    held = rows.unique_consecutive()  # the entries come row by row
-    out = flat.new_zeros(len(flat), weight.shape[1])
-    if 2 * len(held) <= len(flat):
-        out.index_copy_(0, held, flat[held] @ weight)
+    rows = held_rows(flat)
+    if rows is not None:
+        out = flat.new_zeros(len(flat), weight.shape[1]).index_copy_(0, rows, flat[rows] @ weight)
     else:
-        out.index_add_(0, rows, flat[rows, columns].unsqueeze(1) * weight[columns])
+        columns = holds(flat, 0).nonzero().squeeze(1)
+        if len(columns) > SPARSE_COLUMNS_SHARE * flat.shape[1]:
+            return grad @ weight
+        out = flat.index_select(1, columns) @ weight.index_select(0, columns)
     return out.view(*grad.shape[:-1], weight.shape[1])
 
 

@@ -76,12 +76,16 @@ class Epsilon(Rule[Call]):
 
     def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
         """``G_x = VJP(G * z / (z + eps sign z))``: the op's VJP of ``G``, for LRP-0 ``G`` itself."""
-        if self._stabilised:
-            z = call.output
-            without_bias = z - call.bias_term() if self.zero_bias and is_parametric(call) and call.bias is not None \
-                else None
-            grad = grad * per_unit_ratio(z, self.epsilon, without_bias)
-        return call.vjp(grad)
+        if not self._stabilised:
+            return call.vjp(grad)
+        if is_parametric(call):  # on a vocabulary head, the rows of G that hold relevance alone
+            return call.vjp_scaled(grad, self._ratio)
+        return call.vjp(grad * self._ratio(call.output, None))
+
+    def _ratio(self, z: Tensor, bias: Tensor | None) -> Tensor:
+        """``z / (z + eps sign z)``; with ``zero_bias`` and a ``bias`` (broadcast against ``z``), ``z / (d + eps
+        sign d)`` with ``d = z - bias``."""
+        return per_unit_ratio(z, self.epsilon, z - bias if self.zero_bias and bias is not None else None)
 
 
 class Norm(Epsilon):
