@@ -4,6 +4,9 @@
 torchvision's ViT-B/16 (random weights, fixed seed, a classifier that starts at zero drawn at random too, a
 batch of 2 images of 224 x 224 pixels) and on the tiny Llama and BERT configs of ``tests/test_transformers.py``
 (eager and SDPA attention, float64), with whichever ``relprop`` Python imports, and writes them to a file.
+The presets that carry relevance per unit of activation (AttnLRP, CP-LRP) are explained three times by one
+explainer and the third relevance is kept: on a checkout with captured plans, that pass follows the plan
+recorded by the second (where the model's ops allow one), so the comparison covers the replay too.
 ``compare`` reads two such files and prints, per model and preset, whether the relevance is bitwise equal
 (``torch.equal``); it exits with status 1 if any differs. One thread, so that the kernels sum in the same order
 in both runs::
@@ -28,6 +31,8 @@ VISION = ["resnet18", "vgg11", "mobilenet_v3_small", "densenet121", "vit_b_16"]
 #: the tiny configs of tests/test_transformers.py
 TEXT_COMMON = dict(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32)
 TEXT = ["llama-eager", "llama-sdpa", "bert-eager", "bert-sdpa"]
+#: attributions per explainer, the last one kept: a captured plan's replay (see the module's docstring)
+REPEATED = {"attnlrp": 3, "cp-lrp": 3}
 
 
 def _composite(preset: str) -> object:
@@ -78,7 +83,9 @@ def save(path: str, only: list[str] | None) -> None:
             continue
         model, inputs, target = build(name)
         for preset in PRESETS:
-            relevance = relprop.LRP(model, _composite(preset)).attribute(inputs, target=target)
+            lrp = relprop.LRP(model, _composite(preset))
+            for _ in range(REPEATED.get(preset, 1)):
+                relevance = lrp.attribute(inputs, target=target)
             results[f"{name} {preset}"] = [t.detach().clone() for t in tree_leaves(relevance)
                                             if isinstance(t, Tensor)]
             print(f"{name:20s} {preset:28s} done", flush=True)

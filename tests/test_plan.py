@@ -196,3 +196,23 @@ def test_a_replayed_pass_leaves_the_model_as_it_was():
         lrp.attribute(IDS, target=target)
     assert all(module.training for module in model.modules())
     assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+
+
+def test_recording_and_replaying_make_no_reference_cycles():
+    import gc
+
+    torch.manual_seed(0)
+    model, x = Branching().eval(), torch.randn(4, 6)
+    lrp = relprop.LRP(model, "attnlrp")
+    lrp.attribute(x, target=1)
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(3):  # recorded, replayed, replayed
+            lrp.attribute(x, target=1)
+            assert gc.collect() == 0
+    finally:
+        if enabled:
+            gc.enable()
+    assert list(lrp._plans._entries.values())[0].plan is not None
