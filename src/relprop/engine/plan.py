@@ -33,6 +33,7 @@ from relprop._core.registry import HANDLERS
 from relprop._core.tensors import is_activation
 from relprop.engine.calls import OpCall
 from relprop.engine.parametric import ParametricCall
+from relprop.engine.rebinding import Rebinding, parameters_of, tensors_of
 
 #: input signatures whose plans an explainer keeps, the least recently used dropped first
 _KEPT = 16
@@ -117,93 +118,15 @@ def _key(origins: Origins, module_name: str, args: tuple, kwargs: dict) -> tuple
             origins.signature(kwargs) if kwargs else ())
 
 
+#: the augmented assignments (``x += y``) and item assignment: the dunder methods that write into a tensor
+_WRITES = frozenset({f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow",
+                                              "and", "or", "xor", "lshift", "rshift")} | {"__setitem__"})
+
+
 def _in_place(func: Callable, kwargs: dict) -> bool:
     """Whether ``func`` writes into an argument (``add_``, ``__iadd__``, ``__setitem__``, ``out=``)."""
     name = getattr(func, "__name__", "")
-    return ((name.endswith("_") and not name.startswith("__")) or name.startswith("__i")
-            or name == "__setitem__" or "out" in kwargs)
-
-
-def _tensors(value: Any, found: list[Tensor]) -> list[Tensor]:
-    """The tensors in ``value`` (an op's arguments), depth first."""
-    if isinstance(value, Tensor):
-        found.append(value)
-    elif type(value) in (tuple, list):
-        for item in value:
-            _tensors(item, found)
-    elif type(value) is dict:
-        for item in value.values():
-            _tensors(item, found)
-    return found
-
-
-def _parameters_of(call: ParametricCall, args: tuple, kwargs: dict) -> bool:
-    """Whether the weight and bias ``call`` holds are the memory of parameters among the op's arguments (which the
-    steps know by memory): a weight computed in the forward pass would be stale in a replay."""
-    parameters = [t for t in _tensors((args, kwargs), []) if t.requires_grad and not is_activation(t)]
-    return all(any(p.data_ptr() == t.data_ptr() and p.shape == t.shape for p in parameters)
-               for t in (call.weight, call.bias) if t is not None)
-
-
-class _Argument(NamedTuple):
-    """An argument of an op call that is the op's tensor argument at ``position`` (:func:`_tensors`' order)."""
-
-    position: int
-
-
-def _mapped(value: Any, tensors: list[Tensor]) -> Any:
-    """``value`` (an op call's arguments) with each tensor replaced by its :class:`_Argument`; raises KeyError
-    for a tensor that is no argument of the op (the call made it: it would be stale on replay)."""
-    if isinstance(value, Tensor):
-        for index, tensor in enumerate(tensors):
-            if tensor is value:
-                return _Argument(index)
-        raise KeyError("a tensor of the call's own")
-    if type(value) in (tuple, list):
-        return type(value)(_mapped(v, tensors) for v in value)
-    if type(value) is dict:
-        return {key: _mapped(v, tensors) for key, v in value.items()}
-    return value
-
-
-def _filled(value: Any, tensors: list[Tensor]) -> Any:
-    """:func:`_mapped`'s inverse on another op's tensor arguments."""
-    if type(value) is _Argument:
-        return tensors[value.position]
-    if type(value) in (tuple, list):
-        return type(value)(_filled(v, tensors) for v in value)
-    if type(value) is dict:
-        return {key: _filled(v, tensors) for key, v in value.items()}
-    return value
-
-
-class _Rebinding:
-    """How an op call's arguments come from its op's: the call is made anew over each replayed op's arguments."""
-
-    def __init__(self, call: OpCall, made_with: tuple[tuple, dict], func: Callable, args: tuple, kwargs: dict):
-        call_args, call_kwargs = made_with
-        tensors = _tensors((args, kwargs), [])
-        self._args = _mapped(call_args, tensors)
-        self._kwargs = _mapped(call_kwargs, tensors)
-        self._template = call.rebound((), {})
-        if isinstance(self._template, ParametricCall):
-            self._template.workspace = None  # type: ignore[assignment]  # the replaying session's, each time
-        #: the call is the op itself on the op's own arguments: a native run needs no call
-        self._slots = call.slots
-        self.direct = (call.func is func and not call.linearised and self._slots is not None
-                       and len(call_args) == len(args) and all(a is b for a, b in zip(call_args, args))
-                       and call_kwargs.keys() == kwargs.keys() and all(call_kwargs[k] is kwargs[k] for k in kwargs))
-
-    def call(self, session: Any, args: tuple, kwargs: dict) -> OpCall:
-        tensors = _tensors((args, kwargs), [])
-        call = self._template.rebound(_filled(self._args, tensors), _filled(self._kwargs, tensors))
-        if isinstance(call, ParametricCall):
-            call.workspace = session.workspace
-        return call
-
-    def held_positions(self, held: tuple[bool, ...]) -> tuple[int, ...]:
-        """The positions among the op's arguments of the inputs ``held`` flags (for a direct call)."""
-        return tuple(slot for slot, hold in zip(self._slots or (), held) if hold)
+    return (name.endswith("_") and not name.startswith("__")) or name in _WRITES or "out" in kwargs
 
 
 # ------------------------------------------------------------------------- the actions a step replays
@@ -237,7 +160,7 @@ class _Plain(NamedTuple):
 class _Native(NamedTuple):
     """An op call run as plain autograd (of its linearised form), ``held`` inputs held constant."""
 
-    rebinding: _Rebinding
+    rebinding: Rebinding
     held: tuple[bool, ...]
 
     def __call__(self, session: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -247,7 +170,7 @@ class _Native(NamedTuple):
 class _Node(NamedTuple):
     """An op call run as a relevance node with its rule (in the form the pass carries)."""
 
-    rebinding: _Rebinding
+    rebinding: Rebinding
     rule: Any
 
     def __call__(self, session: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -360,7 +283,7 @@ class Recording:
         if action is None or self.origins.unknown or _in_place(func, kwargs):
             self.valid = False
             return out
-        for tensor in _tensors((args, kwargs), []):
+        for tensor in tensors_of((args, kwargs), []):
             if tensor.requires_grad and not is_activation(tensor):
                 self._held[id(tensor)] = tensor
         self.origins.made(out, len(self.steps))
@@ -391,10 +314,10 @@ class Recording:
         if kind not in ("native", "node"):
             return None
         call = effect[1]
-        if not call.replays or (isinstance(call, ParametricCall) and not _parameters_of(call, args, kwargs)):
+        if not call.replays or (isinstance(call, ParametricCall) and not parameters_of(call, args, kwargs)):
             return None
         try:
-            rebinding = _Rebinding(call, effect[2], func, args, kwargs)
+            rebinding = Rebinding(call, effect[2], func, args, kwargs)
         except KeyError:
             return None
         self._calls.append(call)
@@ -451,7 +374,9 @@ class Replay:
                 and is_activation(output) and self.origins.of(output) == self.plan.output)
 
 
-class _Entry:
+class Entry:
+    """What an explainer knows of one input signature: its passes so far, its plan's failures, its plan."""
+
     def __init__(self) -> None:
         self.passes = 0
         self.failures = 0
@@ -470,10 +395,10 @@ class Plans:
     FAILURES = 2
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[Any, _Entry] = OrderedDict()
+        self._entries: OrderedDict[Any, Entry] = OrderedDict()
 
-    def entry(self, signature: Any) -> _Entry:
-        entry = self._entries.pop(signature, None) or _Entry()
+    def entry(self, signature: Any) -> Entry:
+        entry = self._entries.pop(signature, None) or Entry()
         self._entries[signature] = entry
         while len(self._entries) > _KEPT:
             self._entries.popitem(last=False)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from relprop import composites
 from relprop._core.errors import ConservationWarning
 from relprop._core.tensors import held_rows, per_unit
-from relprop.engine.plan import PathChanged, Plans, Recording, Replay, pass_signature
+from relprop.engine.plan import Entry, PathChanged, Plans, Recording, Replay, pass_signature
 from relprop.engine.session import GradientFormUnavailable, Session
 from relprop.methods._inputs import Inputs, Target, as_tuple, forward_arguments
 from relprop.methods.adapters import hold_selective_parameters
@@ -262,27 +262,20 @@ class LRP(Attribution):
         if entry is not None:
             entry.passes += 1
         while True:
-            replay = recording = None
-            if entry is not None and gradient_form:
-                if entry.plan is not None and not entry.plan.holds(self.composite, self.model):
-                    entry.plan = None  # the modules, the composite or a rule changed: recorded again
-                if entry.plan is not None:
-                    replay = Replay(entry.plan, leaves)
-                elif entry.passes > 1 and entry.failures < Plans.FAILURES:
-                    recording = Recording(leaves)
+            replay, recording = self._plan(entry, leaves) if gradient_form else (None, None)
             try:
                 with self._session(taps, audit, tokens, reusable, gradient_form) as session:
                     session.replay, session.recording = replay, recording
                     # the model sees copies, so that in-place ops on its inputs are allowed
                     output = self.model(*(x.clone() if x.requires_grad else x for x in leaves), *extra, **keywords)
                 logits = model_logits(output)
-                if session.replay is not None and not session.replay.finished(logits):
+                if replay is not None and not replay.finished(logits):
                     raise PathChanged("relprop: the forward pass ended elsewhere than its plan")
                 break
             except GradientFormUnavailable:  # once more, carrying relevance itself
                 gradient_form = False
             except Exception:
-                if session.replay is None:
+                if replay is None:
                     raise
                 # the forward took another path than the plan (or failed on it): once more under interception,
                 # where a real error is raised with its op and module
@@ -293,6 +286,18 @@ class LRP(Attribution):
             entry.plan = recording.plan(logits, self.composite, self.model)
         embeddings = {_position(leaves, tokens[i]): found for i, found in session.embeddings.items()}
         return ForwardPass(leaves, logits, embeddings, reusable, session if self.guard else None, gradient_form)
+
+    def _plan(self, entry: Entry | None, leaves: tuple[Tensor, ...]) -> tuple[Replay | None, Recording | None]:
+        """The plan a pass of ``entry``'s input signature follows, or the recording it makes, if any."""
+        if entry is None:
+            return None, None
+        if entry.plan is not None and not entry.plan.holds(self.composite, self.model):
+            entry.plan = None  # the modules, the composite or a rule changed: recorded again
+        if entry.plan is not None:
+            return Replay(entry.plan, leaves), None
+        if entry.passes > 1 and entry.failures < Plans.FAILURES:
+            return None, Recording(leaves)
+        return None, None
 
     @_eager
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,
