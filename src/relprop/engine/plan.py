@@ -243,7 +243,10 @@ def _state(composite: Any, model: nn.Module, rules: list[Any]) -> Any:
     """What a plan's decisions depend on besides the ops: the modules (and rules set on them), the composite's
     settings and each rule's."""
     # the modules and rules themselves (compared by identity): held here, their ids cannot pass to others
-    modules = tuple([(name, module, getattr(module, "rule", None)) for name, module in model.named_modules()])
+    # a rule set on a module is a plain attribute, of the module or of its class: read where it is, since
+    # Module.__getattr__ costs a raised exception for every module that has none
+    modules = tuple([(name, module, module.__dict__.get("rule", getattr(type(module), "rule", None)))
+                     for name, module in model.named_modules()])
     return (modules, _frozen(vars(composite)), tuple([(id(rule), _frozen(vars(rule))) for rule in rules]))
 
 
