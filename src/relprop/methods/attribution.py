@@ -143,6 +143,12 @@ class LRP(Attribution):
     ----------
     model : nn.Module
         The module explained (also captum's ``forward_func``).
+    replay : bool
+        Whether repeated attributions with inputs of one signature follow a
+        captured plan (composites that carry relevance per unit of activation:
+        AttnLRP, CP-LRP): from the third call on, each op is checked against
+        the decision recorded for it and runs it without its op family, with
+        the same relevance (design notes, section 7). True by default.
 
     Examples
     --------
@@ -175,9 +181,7 @@ class LRP(Attribution):
         self.composite = composites.get(composite)
         self.strict = strict
         self.guard = guard
-        #: whether passes that carry relevance per unit of activation follow a captured plan once one is recorded
-        #: for their input signature (:mod:`relprop.engine.plan`): the same relevance, for less time per op
-        self.replay = True
+        self.replay = True  # see the class's attributes
         self._plans = Plans()
 
     @contextmanager
