@@ -216,3 +216,42 @@ def test_recording_and_replaying_make_no_reference_cycles():
         if enabled:
             gc.enable()
     assert list(lrp._plans._entries.values())[0].plan is not None
+
+
+def test_an_activation_run_in_place_by_its_inplace_flag_leaves_the_pass_without_a_plan():
+    class InPlaceFlag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.gate, self.second = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = self.first(x)
+            product = h * self.gate(x)  # a relevance node that reads h
+            F.relu(h, inplace=True)  # nn.ReLU(inplace=True): the op overwrites h, no "_" in its name
+            return self.second(product + h)
+
+    torch.manual_seed(0)
+    model, x = InPlaceFlag().eval(), torch.randn(4, 6)
+    expected = interception(model, x)
+    lrp = relprop.LRP(model, "attnlrp")
+    for relevance in attributions(lrp, x, times=4):
+        assert torch.equal(relevance, expected)
+
+
+def test_an_op_without_a_rule_leaves_the_pass_without_a_plan(monkeypatch):
+    class Unruled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.second(torch.logcumsumexp(self.first(x), 1))  # no op family handles it
+
+    torch.manual_seed(0)
+    model, x = Unruled().eval(), torch.randn(4, 6)
+    lrp = relprop.LRP(model, "attnlrp")
+    counted = Counted(monkeypatch)
+    for _ in range(4):  # each pass reports the op, as interception does
+        with pytest.warns(relprop.UnhandledOpWarning, match="logcumsumexp"):
+            lrp.attribute(x, target=1)
+    assert counted.replayed == 0
