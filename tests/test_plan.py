@@ -255,3 +255,23 @@ def test_an_op_without_a_rule_leaves_the_pass_without_a_plan(monkeypatch):
         with pytest.warns(relprop.UnhandledOpWarning, match="logcumsumexp"):
             lrp.attribute(x, target=1)
     assert counted.replayed == 0
+
+
+def test_a_constant_given_twice_to_an_op_is_no_position_of_a_later_pass():
+    class Clamped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 3)
+            self.low, self.high = torch.full((6,), -0.5), torch.full((6,), 0.5)
+            self.flat = True
+
+        def forward(self, x):
+            high = self.low if self.flat else self.high  # one tensor object at both bounds, or two
+            return self.second(torch.clamp(self.first(x), self.low, high))
+
+    torch.manual_seed(0)
+    model, x = Clamped().eval(), torch.randn(4, 6)
+    lrp = relprop.LRP(model, "attnlrp")
+    attributions(lrp, x)  # recorded with one bound tensor at both positions, replayed
+    model.flat = False
+    assert torch.equal(lrp.attribute(x, target=1), interception(model, x))
