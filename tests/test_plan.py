@@ -238,6 +238,26 @@ def test_an_activation_run_in_place_by_its_inplace_flag_leaves_the_pass_without_
         assert torch.equal(relevance, expected)
 
 
+def test_an_aten_op_in_place_leaves_the_pass_without_a_plan():
+    class InPlaceAten(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.gate, self.second = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = self.first(x)
+            product = h * self.gate(x)
+            torch.ops.aten.relu_.default(h)  # named "relu_.default": its schema says it writes
+            return self.second(product + h)
+
+    torch.manual_seed(0)
+    model, x = InPlaceAten().eval(), torch.randn(4, 6)
+    expected = interception(model, x)
+    lrp = relprop.LRP(model, "attnlrp")
+    for relevance in attributions(lrp, x, times=4):
+        assert torch.equal(relevance, expected)
+
+
 def test_an_op_without_a_rule_leaves_the_pass_without_a_plan(monkeypatch):
     class Unruled(nn.Module):
         def __init__(self):

@@ -128,8 +128,9 @@ def _in_place(func: Callable, kwargs: dict) -> bool:
     """Whether ``func`` writes into an argument (``add_``, ``__iadd__``, ``__setitem__``, ``out=``, ``inplace=True``:
     ``torch.nn.functional`` passes the flag by keyword)."""
     name = getattr(func, "__name__", "")
+    schema = getattr(func, "_schema", None)  # an aten op (``torch.ops.aten.relu_.default``): its schema says
     return ((name.endswith("_") and not name.startswith("__")) or name in _WRITES or "out" in kwargs
-            or bool(kwargs.get("inplace", False)))
+            or bool(kwargs.get("inplace", False)) or (schema is not None and schema.is_mutable))
 
 
 # ------------------------------------------------------------------------- the actions a step replays
