@@ -216,3 +216,82 @@ def test_recording_and_replaying_make_no_reference_cycles():
         if enabled:
             gc.enable()
     assert list(lrp._plans._entries.values())[0].plan is not None
+
+
+def test_an_activation_run_in_place_by_its_inplace_flag_leaves_the_pass_without_a_plan():
+    class InPlaceFlag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.gate, self.second = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = self.first(x)
+            product = h * self.gate(x)  # a relevance node that reads h
+            F.relu(h, inplace=True)  # nn.ReLU(inplace=True): the op overwrites h, no "_" in its name
+            return self.second(product + h)
+
+    torch.manual_seed(0)
+    model, x = InPlaceFlag().eval(), torch.randn(4, 6)
+    expected = interception(model, x)
+    lrp = relprop.LRP(model, "attnlrp")
+    for relevance in attributions(lrp, x, times=4):
+        assert torch.equal(relevance, expected)
+
+
+def test_an_aten_op_in_place_leaves_the_pass_without_a_plan():
+    class InPlaceAten(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.gate, self.second = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = self.first(x)
+            product = h * self.gate(x)
+            torch.ops.aten.relu_.default(h)  # named "relu_.default": its schema says it writes
+            return self.second(product + h)
+
+    torch.manual_seed(0)
+    model, x = InPlaceAten().eval(), torch.randn(4, 6)
+    expected = interception(model, x)
+    lrp = relprop.LRP(model, "attnlrp")
+    for relevance in attributions(lrp, x, times=4):
+        assert torch.equal(relevance, expected)
+
+
+def test_an_op_without_a_rule_leaves_the_pass_without_a_plan(monkeypatch):
+    class Unruled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.second(torch.logcumsumexp(self.first(x), 1))  # no op family handles it
+
+    torch.manual_seed(0)
+    model, x = Unruled().eval(), torch.randn(4, 6)
+    lrp = relprop.LRP(model, "attnlrp")
+    counted = Counted(monkeypatch)
+    for _ in range(4):  # each pass reports the op, as interception does
+        with pytest.warns(relprop.UnhandledOpWarning, match="logcumsumexp"):
+            lrp.attribute(x, target=1)
+    assert counted.replayed == 0
+
+
+def test_a_constant_given_twice_to_an_op_is_no_position_of_a_later_pass():
+    class Clamped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 3)
+            self.low, self.high = torch.full((6,), -0.5), torch.full((6,), 0.5)
+            self.flat = True
+
+        def forward(self, x):
+            high = self.low if self.flat else self.high  # one tensor object at both bounds, or two
+            return self.second(torch.clamp(self.first(x), self.low, high))
+
+    torch.manual_seed(0)
+    model, x = Clamped().eval(), torch.randn(4, 6)
+    lrp = relprop.LRP(model, "attnlrp")
+    attributions(lrp, x)  # recorded with one bound tensor at both positions, replayed
+    model.flat = False
+    assert torch.equal(lrp.attribute(x, target=1), interception(model, x))

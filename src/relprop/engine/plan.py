@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from relprop._core.registry import HANDLERS
 from relprop._core.tensors import is_activation
 from relprop.engine.calls import OpCall
+from relprop.engine.functions import _Unhandled
 from relprop.engine.parametric import ParametricCall
 from relprop.engine.rebinding import Rebinding, parameters_of, tensors_of
 
@@ -124,9 +125,12 @@ _WRITES = frozenset({f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "tru
 
 
 def _in_place(func: Callable, kwargs: dict) -> bool:
-    """Whether ``func`` writes into an argument (``add_``, ``__iadd__``, ``__setitem__``, ``out=``)."""
+    """Whether ``func`` writes into an argument (``add_``, ``__iadd__``, ``__setitem__``, ``out=``, ``inplace=True``:
+    ``torch.nn.functional`` passes the flag by keyword)."""
     name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.startswith("__")) or name in _WRITES or "out" in kwargs
+    schema = getattr(func, "_schema", None)  # an aten op (``torch.ops.aten.relu_.default``): its schema says
+    return ((name.endswith("_") and not name.startswith("__")) or name in _WRITES or "out" in kwargs
+            or bool(kwargs.get("inplace", False)) or (schema is not None and schema.is_mutable))
 
 
 # ------------------------------------------------------------------------- the actions a step replays
@@ -317,6 +321,8 @@ class Recording:
         if kind not in ("native", "node"):
             return None
         call = effect[1]
+        if isinstance(getattr(effect[3], "rule", effect[3]), _Unhandled):  # reported by the session it holds
+            return None
         if not call.replays or (isinstance(call, ParametricCall) and not parameters_of(call, args, kwargs)):
             return None
         try:

@@ -45,12 +45,15 @@ class _Argument(NamedTuple):
 
 def _mapped(value: Any, tensors: list[Tensor]) -> Any:
     """``value`` (an op call's arguments) with each tensor replaced by its :class:`_Argument`; raises KeyError
-    for a tensor that is no argument of the op (the call made it: it would be stale on replay)."""
+    for a tensor that is no argument of the op (the call made it: it would be stale on replay), and for a
+    constant at several positions (the steps know constants by dtype and shape: a later pass may give two)."""
     if isinstance(value, Tensor):
-        for index, tensor in enumerate(tensors):
-            if tensor is value:
-                return _Argument(index)
-        raise KeyError("a tensor of the call's own")
+        found = [index for index, tensor in enumerate(tensors) if tensor is value]
+        if not found:
+            raise KeyError("a tensor of the call's own")
+        if len(found) > 1 and not value.requires_grad:  # activations and parameters: the steps know them as one
+            raise KeyError("a constant at several positions")
+        return _Argument(found[0])
     if type(value) in (tuple, list):
         return type(value)(_mapped(v, tensors) for v in value)
     if type(value) is dict:
