@@ -295,3 +295,18 @@ def test_a_constant_given_twice_to_an_op_is_no_position_of_a_later_pass():
     attributions(lrp, x)  # recorded with one bound tensor at both positions, replayed
     model.flat = False
     assert torch.equal(lrp.attribute(x, target=1), interception(model, x))
+
+
+def test_a_pass_under_autocast_does_not_follow_a_plan_recorded_without_it(monkeypatch):
+    torch.manual_seed(0)
+    model, x = Branching().eval(), torch.randn(4, 6)
+    lrp = relprop.LRP(model, "attnlrp")
+    attributions(lrp, x)
+    counted = Counted(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        relevance = lrp.attribute(x, target=1)
+        reference = relprop.LRP(model, "attnlrp")
+        reference.replay = False
+        expected = reference.attribute(x, target=1)
+    assert counted.intercepted > 0
+    assert torch.equal(relevance, expected)

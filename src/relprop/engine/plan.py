@@ -5,8 +5,8 @@ composite for its rule. Where the pass carries relevance per unit of activation,
 decides: which rule, whether the op runs as plain autograd (and which inputs it holds constant) or as a
 relevance node. A :class:`Recording` keeps those decisions with the structure of each op's arguments: where
 each activation comes from (which earlier op, which model input), the values of the other arguments, the
-dtypes and shapes of constant tensors, the parameters by identity and memory, the module that issued the op
-and the grad mode. Those determine the decision; the tensors' values do not.
+dtypes and shapes of constant tensors, the parameters by identity and memory, the module that issued the op,
+the grad mode and autocast. Those determine the decision; the tensors' values do not.
 
 A later pass of the same input signature runs the model's forward as before, under the engine's mode, but
 each op is checked against the plan before it runs and then runs its recorded decision directly
@@ -115,8 +115,9 @@ class Origins:
 
 
 def _key(origins: Origins, module_name: str, args: tuple, kwargs: dict) -> tuple:
-    return (module_name, torch.is_grad_enabled(), origins.arguments(args),
-            origins.signature(kwargs) if kwargs else ())
+    # autocast decides the dtypes of the activations, and the dtypes decide some calls (a sum's closed-form VJP)
+    return (module_name, torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
+            origins.arguments(args), origins.signature(kwargs) if kwargs else ())
 
 
 #: the augmented assignments (``x += y``) and item assignment: the dunder methods that write into a tensor
