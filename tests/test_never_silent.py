@@ -487,3 +487,25 @@ def test_a_hook_registered_inside_the_forward_pass_gets_the_relevance_and_is_rep
     # bias-free LRP-0 conserves: the relevance at the hidden layer sums to the logit, as at the input
     assert torch.allclose(arriving.sum(1), logit, rtol=1e-10, atol=1e-12)
     assert torch.allclose(relevance.sum(1), logit, rtol=1e-10, atol=1e-12)
+
+
+def test_an_op_without_a_rule_keeps_its_named_results():
+    """``torch.cummax(h, 1).values``: the result of an op without a rule keeps its fields, and is reported."""
+    class CumulativeMax(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.second(torch.cummax(self.first(x), 1).values)
+
+    torch.manual_seed(0)
+    model, x = CumulativeMax().eval(), torch.randn(2, 4)
+    with pytest.warns(relprop.UnhandledOpWarning, match="cummax"):
+        relevance = relprop.LRP(model, "epsilon").attribute(x, target=1)
+    # cummax's gradient routes each maximum's relevance to the entry it came from: LRP-0 with zero biases conserves
+    for layer in (model.first, model.second):
+        torch.nn.init.zeros_(layer.bias)
+    with pytest.warns(relprop.UnhandledOpWarning):
+        relevance = relprop.LRP(model, relprop.composites.Composite(epsilon=0.0)).attribute(x, target=1)
+    torch.testing.assert_close(relevance.sum(1), model(x)[:, 1].detach(), rtol=1e-5, atol=1e-6)

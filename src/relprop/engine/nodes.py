@@ -124,7 +124,9 @@ def watch(value: Any, report: Callable[[Tensor], None]) -> Any:
     if isinstance(value, Tensor):
         return _Watch.apply(report, value) if value.requires_grad else value
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(watch(v, report) for v in value)
+        watched = tuple(watch(v, report) for v in value)
+        # torch's named results (``torch.return_types.cummax``: ``.values``, ``.indices``) are made from one sequence
+        return watched if type(value) is tuple else type(value)(watched)
     if isinstance(value, list):
         return [watch(v, report) for v in value]
     return value
