@@ -50,14 +50,13 @@ class Origins:
     Tensors are held by weak references, so that the record keeps nothing alive.
     """
 
-    def __init__(self) -> None:
-        self._made: dict[int, tuple[weakref.ref, tuple]] = {}
+    def __init__(self, inputs: tuple[Tensor, ...]) -> None:
+        # the model inputs that are activations: their origin is their index, dtype, shape and device
+        self._made: dict[int, tuple[weakref.ref, tuple]] = {
+            id(x): (weakref.ref(x), ("input", index, x.dtype, x.shape, x.device))
+            for index, x in enumerate(inputs) if is_activation(x)}
         #: an activation of unknown origin was met (made outside the ops the mode sees): no plan holds
         self.unknown = False
-
-    def add_input(self, x: Tensor, index: int) -> None:
-        """``x`` is the model input at ``index``."""
-        self._made[id(x)] = (weakref.ref(x), ("input", index, x.dtype, x.shape, x.device))
 
     def made(self, out: Any, step: int) -> None:
         """The activations in ``out`` (a tensor, or a tuple or list of them) are outputs of op ``step``."""
@@ -263,10 +262,7 @@ class Recording:
     """
 
     def __init__(self, inputs: tuple[Tensor, ...]):
-        self.origins = Origins()
-        for index, x in enumerate(inputs):
-            if is_activation(x):
-                self.origins.add_input(x, index)
+        self.origins = Origins(inputs)
         self.steps: list[Step] = []
         self.valid = True
         self._depth = 0
@@ -356,10 +352,7 @@ class Replay:
 
     def __init__(self, plan: Plan, inputs: tuple[Tensor, ...]):
         self.plan = plan
-        self.origins = Origins()
-        for index, x in enumerate(inputs):
-            if is_activation(x):
-                self.origins.add_input(x, index)
+        self.origins = Origins(inputs)
         self._next = 0
 
     def run(self, session: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -422,10 +415,7 @@ class Plans:
 def pass_signature(inputs: tuple[Tensor, ...], extra: tuple, keywords: dict, *flags: Any) -> Any:
     """What a forward pass's plan is kept by: its inputs' dtypes, shapes and devices, the other arguments'
     structure and values, and ``flags``."""
-    origins = Origins()
-    for index, x in enumerate(inputs):
-        if is_activation(x):
-            origins.add_input(x, index)
+    origins = Origins(inputs)
     signature = (origins.signature(inputs), origins.signature(extra), origins.signature(keywords), flags)
     try:
         hash(signature)

@@ -13,7 +13,6 @@ also when the forward raises. What the pass knows about its activations
 :class:`~relprop.ops.OpHost` protocol."""
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -25,13 +24,12 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 from torch.utils.weak import WeakIdKeyDictionary
 
-from relprop._core.contract import Call
-from relprop._core.errors import RuleError, UnhandledOpWarning, UnsupportedOpError
+from relprop._core.errors import RuleError
 from relprop._core.gradient_form import Converted, InGradientForm, in_gradient_form
 from relprop._core.kinds import OpKind
 from relprop._core.registry import ALWAYS_HANDLED, HANDLERS, op_name, register, resolve
-from relprop._core.rule import Gradient, Pass, Rule, broadcasts_to
-from relprop._core.tensors import has_activation, has_parameter, is_activation, sum_to
+from relprop._core.rule import Rule
+from relprop._core.tensors import has_activation, has_parameter, is_activation
 from relprop.engine.calls import OpCall
 from relprop.engine.context import ModuleContext
 from relprop.engine.functions import GradientFormUnavailable, Unruled, _Unhandled
