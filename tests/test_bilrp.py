@@ -244,3 +244,118 @@ def test_the_model_keeps_its_hooks_flags_and_parameters_as_they_were():
     assert state() == before
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     assert calls == [3, 3, 6, 6]  # the user's hook saw the embeddings' and the recorded passes' forwards, no more
+
+
+class MeanPooledEncoder(nn.Module):
+    """A tiny Hugging Face encoder (BERT) or decoder (Llama), its last hidden states mean-pooled over the mask."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        common = dict(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32)
+        if name == "llama":
+            config = transformers.LlamaConfig(**common, num_key_value_heads=2)
+            self.model = transformers.LlamaModel(config)
+        else:
+            config = transformers.BertConfig(**common)
+            self.model = transformers.BertModel(config, add_pooling_layer=False)
+
+    def forward(self, ids, mask):
+        states = self.model(input_ids=ids, attention_mask=mask).last_hidden_state * mask.unsqueeze(-1)
+        return states.sum(1) / mask.sum(1, keepdim=True)
+
+
+def token_pair():
+    ids, ids2 = torch.randint(3, 50, (2, 5)), torch.randint(3, 50, (2, 6))
+    mask, mask2 = torch.ones(2, 5, dtype=torch.long), torch.ones(2, 6, dtype=torch.long)
+    mask2[1, 4:] = 0  # padding: masked attention
+    return ids, ids2, mask, mask2
+
+
+def transposed_calls(monkeypatch):
+    """The results of BiLRP's transposed map (None where it fell back), as they are made."""
+    found = []
+    transposed = relprop.methods.bilrp._transposed
+
+    def spied(*args):
+        found.append(transposed(*args))
+        return found[-1]
+
+    monkeypatch.setattr(relprop.methods.bilrp, "_transposed", spied)
+    return found
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 64])
+@pytest.mark.parametrize("name", ["bert", "llama"])
+@pytest.mark.parametrize("preset", ["attnlrp", "cp-lrp"])
+def test_the_transposed_map_gives_the_pairs_of_one_attribution_per_dimension(preset, name, max_batch, monkeypatch):
+    model = MeanPooledEncoder(name).double().eval()
+    ids, ids2, mask, mask2 = token_pair()
+    left, right = (attribution_per_dimension(model, preset, v, (m,)) for v, m in ((ids, mask), (ids2, mask2)))
+    expected = torch.einsum("mbi,mbj->bij", left, right)
+    found = transposed_calls(monkeypatch)
+    pairs = relprop.BiLRP(model, preset, max_batch=max_batch).attribute(ids, ids2, (mask,), (mask2,))
+    assert len(found) == 2 and all(side is not None for side in found)  # 5 and 6 tokens, 16 dimensions
+    # the Llama runs its RMSNorm and rotary embedding in float32: the two ways round apart there
+    rounding = 1e-6 if name == "llama" else 1e-12
+    assert torch.allclose(pairs, expected, rtol=0, atol=rounding * expected.abs().max())
+    assert pairs[1, :, 4:].abs().max() == 0
+
+
+def test_the_transposed_map_pools_before_it_differentiates(monkeypatch):
+    model = MeanPooledEncoder("bert").double().eval()
+    ids, ids2, mask, mask2 = token_pair()
+
+    def pool(relevance):  # the first two tokens together, then the rest one by one
+        return torch.cat([relevance[:, :2].sum(1, keepdim=True), relevance[:, 2:]], 1)
+
+    left, right = (pool(attribution_per_dimension(model, "attnlrp", v, (m,)).flatten(0, 1)).unflatten(0, (16, 2))
+                   for v, m in ((ids, mask), (ids2, mask2)))
+    found = transposed_calls(monkeypatch)
+    pairs = relprop.BiLRP(model, "attnlrp").attribute(ids, ids2, (mask,), (mask2,), pool=pool)
+    assert pairs.shape == (2, 4, 5) and all(side is not None for side in found)
+    expected = torch.einsum("mbi,mbj->bij", left, right)
+    assert torch.allclose(pairs, expected, rtol=0, atol=1e-12 * expected.abs().max())
+
+
+def test_a_rule_whose_backward_pass_is_not_recorded_makes_the_side_fall_back(monkeypatch):
+    """An attention whose VJP drops the graph would lose its share of the transposed map: the sum check sees it."""
+    from relprop.engine.calls import OpCall
+    from relprop.ops.attention import AttentionCall
+
+    model = MeanPooledEncoder("bert").double().eval()
+    ids, ids2, mask, mask2 = token_pair()
+    left, right = (attribution_per_dimension(model, "attnlrp", v, (m,)) for v, m in ((ids, mask), (ids2, mask2)))
+    monkeypatch.setattr(AttentionCall, "vjp", lambda self, grad: OpCall.vjp(self, grad.detach()))
+    found = transposed_calls(monkeypatch)
+    pairs = relprop.BiLRP(model, "attnlrp").attribute(ids, ids2, (mask,), (mask2,))
+    assert found == [None, None]
+    expected = torch.einsum("mbi,mbj->bij", left, right)
+    assert torch.allclose(pairs, expected, rtol=0, atol=1e-12 * expected.abs().max())
+
+
+def test_sides_with_as_many_positions_as_dimensions_take_one_backward_pass_per_chunk(monkeypatch):
+    model = TokenEmbedder(dims=5).double().eval()
+    ids, ids2 = torch.randint(0, 20, (2, 4)), torch.randint(0, 20, (2, 5))
+    mask, mask2 = torch.ones(2, 4, dtype=torch.float64), torch.ones(2, 5, dtype=torch.float64)
+    found = transposed_calls(monkeypatch)
+    pairs = relprop.BiLRP(model, "attnlrp").attribute(ids, ids2, (mask,), (mask2,))
+    assert len(found) == 1  # 4 tokens: the transposed map; 5 tokens: a pass per chunk of the 5 dimensions
+    left, right = (attribution_per_dimension(model, "attnlrp", v, (m,)) for v, m in ((ids, mask), (ids2, mask2)))
+    assert torch.allclose(pairs, torch.einsum("mbi,mbj->bij", left, right), rtol=0, atol=1e-12)
+
+
+def test_a_backward_pass_that_cannot_be_differentiated_makes_the_side_fall_back(monkeypatch):
+    """Recorded with the fused attention kernels, whose backward has no derivative: each side falls back."""
+    import contextlib
+
+    model = MeanPooledEncoder("bert").double().eval()
+    ids, ids2, mask, mask2 = token_pair()
+    left, right = (attribution_per_dimension(model, "cp-lrp", v, (m,)) for v, m in ((ids, mask), (ids2, mask2)))
+    monkeypatch.setattr(relprop.methods.bilrp, "sdpa_kernel", lambda backend: contextlib.nullcontext())
+    found = transposed_calls(monkeypatch)
+    pairs = relprop.BiLRP(model, "cp-lrp").attribute(ids, ids2, (mask,), (mask2,))
+    assert found == [None, None]
+    expected = torch.einsum("mbi,mbj->bij", left, right)
+    assert torch.allclose(pairs, expected, rtol=0, atol=1e-12 * expected.abs().max())

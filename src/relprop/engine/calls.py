@@ -354,7 +354,10 @@ class OpCall:
 
         A rule that sets ``needs_vjp`` finds the op's autograd graph kept from
         the forward pass; for one that does not, it is built here from the
-        kept inputs (the op runs once more).
+        kept inputs (the op runs once more). In a backward pass that is itself
+        differentiated (``create_graph=True``, grad mode on inside it) the
+        product is recorded too: relevance is linear in the seed, and
+        differentiating it with respect to the seed gives its transposed map.
         """
         if self._graph is None:
             self._build_graph()
@@ -362,7 +365,8 @@ class OpCall:
             raise RuntimeError(f"relprop: rule {self.rule!r} takes the VJP of {self.describe()} without setting "
                                "needs_vjp = True; set it on the rule")
         leaves, out = self._graph
-        return torch.autograd.grad(out, leaves, grad, allow_unused=True, retain_graph=self.reusable)
+        return torch.autograd.grad(out, leaves, grad, allow_unused=True, retain_graph=self.reusable,
+                                   create_graph=torch.is_grad_enabled())
 
     def take_output(self) -> Tensor | None:
         """:attr:`output` for the rule to write into, if no other tensor shares its memory; else None.

@@ -400,9 +400,10 @@ class ForwardPass:
         """Propagate ``seed`` from the logits: the relevance of each input."""
         return self.propagate(seed)
 
-    def propagate(self, seed: Tensor, owned: bool = False) -> tuple[Tensor, ...]:
+    def propagate(self, seed: Tensor, owned: bool = False, create_graph: bool = False) -> tuple[Tensor, ...]:
         """:meth:`relevance`; ``owned``: the seed is the caller's to overwrite (in gradient form it is, with its
-        value per unit of the logits)."""
+        value per unit of the logits); ``create_graph``: record the backward pass, so that the relevance can be
+        differentiated with respect to a seed that requires grad (it is linear in the seed)."""
         explained = [x for x in self.inputs if x.requires_grad]
         embedded = [leaf for leaves in self._embeddings.values() for leaf in leaves]
         if (explained or embedded) and not self.logits.requires_grad:
@@ -414,7 +415,8 @@ class ForwardPass:
         if session is not None and (explained or embedded):
             session.defer_check()  # checked below with the seed and the inputs' relevance, in one read
         found = (torch.autograd.grad(self.logits, explained + embedded, self._carried(seed, owned), allow_unused=True,
-                                     retain_graph=self.reusable) if explained or embedded else ())
+                                     retain_graph=self.reusable, create_graph=create_graph)
+                 if explained or embedded else ())
         if self.gradient_form:  # per unit of each leaf: its relevance is the leaf times that
             found = tuple(None if g is None else g * leaf.detach() for g, leaf in zip(found, explained + embedded))
         if session is not None and (explained or embedded):

@@ -13,12 +13,27 @@ is its marginal: ``sum_{i'} R_{ii'}`` when the other side conserves.
 
 Each ``R(phi_m)`` is the relevance of a seed of its own. Each side is
 recorded once (:meth:`relprop.LRP.record`, reusable) and the seeds are carried
-back through that one forward pass. The recorded batch holds ``c`` copies of
-the inputs, so that a backward pass carries ``c`` seeds at once (copy ``k``
-seeded with the ``k``-th dimension of a chunk): more copies mean fewer
-backward passes but a longer forward pass, whose copies are all alike (one
-copy per pass costs the most: a backward pass per dimension, each with the
-fixed cost of every op). ``max_batch`` bounds the recorded batch.
+back through that one forward pass, in one of two ways:
+
+- **The transposed map**, where the rules carry relevance per unit of
+  activation (AttnLRP, CP-LRP) and a side has fewer input positions (tokens,
+  or pooled regions) than the embedding has dimensions. Relevance is then
+  linear in the seed: seeded with ``s * phi(x)`` for a selector ``s`` that
+  requires grad, the derivative of one position's relevance with respect to
+  ``s`` holds that position's relevance for every dimension at once. One
+  backward pass that records itself (``create_graph``), then one backward
+  pass through it per ``c`` positions (copy ``k`` of the recorded batch
+  serves the ``k``-th position of a group): about ``T`` example passes for
+  ``T`` tokens instead of ``D``. The sum over the dimensions is checked
+  against the relevance of the selector itself (what the dimensions' seeds
+  add up to): a rule whose backward pass is not differentiated with it would
+  miss a share of it, and the side is then explained the other way.
+- **One backward pass per ``c`` dimensions** otherwise: the recorded batch
+  holds ``c`` copies of the inputs, copy ``k`` seeded with the ``k``-th
+  dimension of a chunk. More copies mean fewer backward passes but a longer
+  forward pass, whose copies are all alike.
+
+``max_batch`` bounds the recorded batch in both.
 """
 from __future__ import annotations
 
@@ -28,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from relprop import composites
 from relprop.methods._inputs import forward_arguments, tile_arguments
@@ -142,9 +158,10 @@ class BiLRP:
     max_batch : int
         Memory limit: the largest batch one recorded forward pass runs (the
         two sides' recorded passes are held together). For a batch of ``B``
-        examples each side is recorded with ``c = min(D, max(1, max_batch // B))``
-        copies of the inputs (fewer where the dimensions then split more
-        evenly), and each backward pass carries ``c`` embedding dimensions.
+        examples a side is recorded with ``c = min(n, max(1, max_batch // B))``
+        copies of the inputs (fewer where the groups then split more evenly),
+        ``n`` its positions (by the transposed map) or the embedding's
+        dimensions (otherwise), and each backward pass serves ``c`` of them.
         Larger is not faster beyond a few dozen rows on a model of real size:
         the copies' forward pass then costs more than the backward passes it
         saves.
@@ -154,11 +171,15 @@ class BiLRP:
     Notes
     -----
     Cost of :meth:`attribute` for ``D`` embedding dimensions and a batch of
-    ``B``: one plain forward pass per side (for the embeddings), one recorded
-    forward pass per side of ``c * B`` rows and ``2 * ceil(D / c)`` backward
-    passes of ``c * B`` rows, about ``2 * D * B`` example backward passes in
-    all, as many as one attribution per dimension (each dimension's relevance
-    is a map of its own; the recording saves their forward passes).
+    ``B``: one plain forward pass per side (for the embeddings) and one
+    recorded forward pass per side of ``c * B`` rows. By the transposed map
+    (AttnLRP and CP-LRP, a side of ``n < D`` positions: tokens, or what
+    ``pool`` leaves): one backward pass that records itself and ``ceil(n / c)``
+    passes through it, about ``3 * n * B`` example backward passes for the
+    side. Otherwise ``ceil(D / c)`` backward passes of ``c * B`` rows, about
+    ``D * B`` example backward passes for the side, as many as one
+    attribution per dimension (each dimension's relevance is a map of its
+    own; the recording saves their forward passes).
     :meth:`first_order` costs two plain forward passes and
     two attributions of ``B`` rows.
 
@@ -281,23 +302,42 @@ class BiLRP:
         # as in LRP.attribute: the passes need autograd under inference_mode too, and leave no reference cycles
         with torch.inference_mode(False), cyclic_gc_paused():
             lrp = self._lrp()
-            sides = [(_record(lrp, x, additional_forward_args, copies), left),
-                     (_record(lrp, x2, additional_forward_args2, copies), right)]
+            sides = [self._side(lrp, x, additional_forward_args, left, pool),
+                     self._side(lrp, x2, additional_forward_args2, right, pool)]
+            step = copies if any(isinstance(side, ForwardPass) for side in sides) else dims
             total: Tensor | None = None
-            for start in range(0, dims, copies):
-                chunk = range(start, min(start + copies, dims))
-                r1, r2 = (_per_dimension(explained, embedding, chunk, pool) for explained, embedding in sides)
+            for start in range(0, dims, step):
+                chunk = range(start, min(start + step, dims))
+                r1, r2 = (side[start:chunk.stop] if isinstance(side, Tensor) else
+                          _per_dimension(side, embedding, chunk, pool)
+                          for side, embedding in zip(sides, (left, right)))
                 # sum over the dimensions of this chunk of the outer products, example by example
                 pairs = torch.einsum("kbi,kbj->bij", r1.flatten(2), r2.flatten(2))
                 total = pairs if total is None else total + pairs
         assert total is not None  # _checked refuses embeddings without dimensions
         return total.reshape(batch, *r1.shape[2:], *r2.shape[2:])
 
-    def _copies(self, batch: int, dims: int) -> int:
-        """Copies of the inputs per recorded pass: at most ``max_batch`` rows, the chunks as even as that allows."""
-        largest = min(dims, max(1, self.max_batch // batch))
-        passes = -(-dims // largest)
-        return -(-dims // passes)
+    def _side(self, lrp: LRP, x: Tensor, extra: Any, embedding: Tensor, pool: Pool | None) -> Tensor | ForwardPass:
+        """One side's relevance for every dimension, ``(D, B, *P)``, by the transposed map where it serves; else
+        its pass recorded with copies for one backward pass per chunk of dimensions (see the module's notes)."""
+        batch, dims = embedding.shape
+        positions = _pooled(torch.zeros(x.shape, dtype=embedding.dtype, device=embedding.device), pool)[0].numel()
+        if lrp.composite.gradient_form and positions < dims:
+            # attention's fused kernels have backward passes that cannot be differentiated; its math form's can
+            with sdpa_kernel(SDPBackend.MATH):
+                explained = _record(lrp, x, extra, self._copies(batch, positions))
+            if explained.gradient_form:
+                found = _transposed(explained, embedding, pool)
+                if found is not None:
+                    return found
+        return _record(lrp, x, extra, self._copies(batch, dims))
+
+    def _copies(self, batch: int, count: int) -> int:
+        """Copies of the inputs per recorded pass, for ``count`` seeds or positions: at most ``max_batch`` rows,
+        the groups as even as that allows."""
+        largest = min(count, max(1, self.max_batch // batch))
+        passes = -(-count // largest)
+        return -(-count // passes)
 
     def first_order(self, x: Tensor, x2: Tensor, additional_forward_args: Any = None,
                     additional_forward_args2: Any = None) -> tuple[Tensor, Tensor]:
@@ -351,14 +391,66 @@ def _per_dimension(explained: ForwardPass, embedding: Tensor, chunk: range, pool
     seed = torch.zeros_like(explained.logits)
     seed[rows, chosen] = embedding.repeat(used, 1)[rows, chosen]
     (relevance,) = explained.relevance(seed)
-    recorded = relevance.shape[0]
-    if pool is not None:
-        relevance = pool(relevance)
-        if not isinstance(relevance, Tensor) or relevance.shape[0] != recorded:
-            raise ValueError("relprop: pool must map relevance of shape (N, ...) to a tensor (N, ...) with the "
-                             f"same first dimension; for N = {recorded} it returned "
-                             f"{tuple(relevance.shape) if isinstance(relevance, Tensor) else type(relevance)}")
-    return relevance.reshape(recorded // batch, batch, *relevance.shape[1:])[:used]
+    relevance = _pooled(relevance, pool)
+    return relevance.reshape(relevance.shape[0] // batch, batch, *relevance.shape[1:])[:used]
+
+
+def _transposed(explained: ForwardPass, embedding: Tensor, pool: Pool | None) -> Tensor | None:
+    """``R(phi_m)(x)`` for every dimension ``m``, ``(D, B, *P)``, from a gradient-form pass of copies of ``x``.
+
+    The derivative of the relevance at one position with respect to the selector ``s`` of the seed
+    ``s * phi(x)``; copy ``k`` gives the derivative at the ``k``-th position of each group. None where a backward
+    pass cannot be differentiated, or the dimensions' relevance weighted by ``s`` does not add up to the
+    relevance of ``s`` itself (see the module's notes).
+    """
+    batch, dims = embedding.shape
+    copies = explained.logits.shape[0] // batch
+    # any selector serves, the relevance being linear in it; a random one, because the check below is blind in
+    # the directions the relevance does not reach (a final LayerNorm's output sums to a constant: all ones is one)
+    drawn = torch.rand(embedding.shape, generator=torch.Generator().manual_seed(0), dtype=embedding.dtype)
+    weights = drawn.to(embedding.device).add_(0.5)
+    selector = weights.repeat(copies, 1).requires_grad_()
+    try:
+        (relevance,) = explained.propagate(selector * embedding.repeat(copies, 1), create_graph=True)
+        pooled = _pooled(relevance, pool)
+        shape, flat = pooled.shape[1:], pooled.reshape(copies, batch, -1)
+        groups = [_derivatives(flat, selector, start) for start in range(0, flat.shape[-1], copies)]
+    except RuntimeError:  # an op whose backward has no derivative of its own
+        return None
+    matrix = torch.cat(groups).permute(2, 1, 0)  # (D, B, positions)
+    # rounding aside, the dimensions add up to the selector's relevance; a share missing is an op whose backward
+    # pass was not recorded. Rounding at float32's at least: models in float64 still run some ops in float32
+    # (Hugging Face's RMSNorm and rotary embedding)
+    weighted = matrix * weights.T.unsqueeze(-1)
+    rounding = max(torch.finfo(matrix.dtype).eps, torch.finfo(torch.float32).eps)
+    if (weighted.sum(0) - flat[0].detach()).abs().amax() > rounding ** 0.5 * weighted.abs().sum(0).amax():
+        return None
+    return matrix.reshape(dims, batch, *shape)
+
+
+def _derivatives(flat: Tensor, selector: Tensor, start: int) -> Tensor:
+    """The derivatives of positions ``start, start + 1, ...`` of ``flat`` (copies, B, positions), one per copy, with
+    respect to ``selector`` (copies * B, D): ``(used, B, D)``."""
+    copies, batch, positions = flat.shape
+    used = min(copies, positions - start)
+    picks = torch.zeros_like(flat)
+    picks[torch.arange(used), :, torch.arange(start, start + used)] = 1
+    found = (torch.autograd.grad(flat, selector, picks, retain_graph=start + used < positions, allow_unused=True)[0]
+             if flat.requires_grad else None)
+    found = torch.zeros_like(selector) if found is None else found  # no relevance reaches x
+    return found.view(copies, batch, -1)[:used]
+
+
+def _pooled(relevance: Tensor, pool: Pool | None) -> Tensor:
+    """``pool(relevance)``, checked to keep the first dimension; ``relevance`` without ``pool``."""
+    if pool is None:
+        return relevance
+    recorded, pooled = relevance.shape[0], pool(relevance)
+    if not isinstance(pooled, Tensor) or pooled.shape[0] != recorded:
+        raise ValueError("relprop: pool must map relevance of shape (N, ...) to a tensor (N, ...) with the "
+                         f"same first dimension; for N = {recorded} it returned "
+                         f"{tuple(pooled.shape) if isinstance(pooled, Tensor) else type(pooled)}")
+    return pooled
 
 
 def _repeat(x: Tensor, copies: int) -> Tensor:
