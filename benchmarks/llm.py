@@ -16,6 +16,9 @@ side's time includes ``generate``. With ``--lxt-python``, LXT 2.1's AttnLRP of t
 patched model's forward pass and ``G`` backward passes, in its own process: ``lxt_child.py generation``),
 and how far its relevance is from relprop's.
 
+``--attention eager``: the model's attention written out (``softmax(q k^T) v``, Hugging Face's eager
+implementation) instead of ``F.scaled_dot_product_attention``, for the gradient and relprop alike.
+
 Times: all methods in one process, interleaved round by round after a warm-up, medians. Peak memory
 (``--memory``): one fresh subprocess per method and length; the model loaded and each method run once on 16
 tokens (lazy initialisation), then the peak resident memory (Linux's VmHWM, reset through
@@ -162,9 +165,17 @@ def _status(field: str) -> int:
         return next(int(line.split()[1]) for line in handle if line.startswith(field + ":"))
 
 
-def memory_child(name: str, tokens: int) -> None:
-    """Print the peak resident memory of one run of ``name`` above the memory before it, in KiB."""
+def loaded(attention: str) -> tuple[Any, Any]:
+    """SmolLM2 and its tokenizer, its attention run by ``attention`` (``sdpa`` or ``eager``)."""
     model, tokenizer = load_smollm2()
+    if attention != "sdpa":
+        model.set_attn_implementation(attention)
+    return model, tokenizer
+
+
+def memory_child(name: str, tokens: int, attention: str) -> None:
+    """Print the peak resident memory of one run of ``name`` above the memory before it, in KiB."""
+    model, tokenizer = loaded(attention)
     run = method(name, model)
     small = prompt_ids(tokenizer, 16)
     run(small, target_of(model, small))
@@ -179,10 +190,10 @@ def memory_child(name: str, tokens: int) -> None:
     print(json.dumps(_status("VmHWM") - before))
 
 
-def peak_memory(name: str, tokens: int) -> tuple[float, float]:
+def peak_memory(name: str, tokens: int, attention: str) -> tuple[float, float]:
     """MiB (see :func:`memory_child`, in a fresh process), and the seconds of that one run."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    out = subprocess.run([sys.executable, __file__, "--memory-child", name, str(tokens)],
+    out = subprocess.run([sys.executable, __file__, "--memory-child", name, str(tokens), attention],
                          capture_output=True, text=True, check=True, env=env)
     lines = out.stdout.strip().splitlines()
     return json.loads(lines[-1]) / 1024, json.loads(lines[-2])["seconds"]
@@ -201,12 +212,15 @@ def main() -> None:
                              "and G backward passes of a gradient")
     parser.add_argument("--lxt-python", help="with --generation: also LXT 2.1's, in its own process under this "
                                              "Python (which has lxt installed; see lxt_child.py)")
-    parser.add_argument("--memory-child", nargs=2, metavar=("METHOD", "TOKENS"), help=argparse.SUPPRESS)
+    parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                        help="the model's attention: fused (sdpa) or written out (eager)")
+    parser.add_argument("--memory-child", nargs=3, metavar=("METHOD", "TOKENS", "ATTENTION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
-        memory_child(args.memory_child[0], int(args.memory_child[1]))
+        memory_child(args.memory_child[0], int(args.memory_child[1]), args.memory_child[2])
         return
-    model, tokenizer = (None, None) if args.no_time else load_smollm2()  # --no-time: the model in the children only
+    # --no-time: the model in the children only
+    model, tokenizer = (None, None) if args.no_time else loaded(args.attention)
     if args.generation:
         print(f"SmolLM2-135M-Instruct, float32, {torch.get_num_threads()} thread(s), torch {torch.__version__}; "
               f"median of {args.rounds} interleaved rounds after a warm-up\n")
@@ -219,14 +233,15 @@ def main() -> None:
         return
     timed = "one run each, in its measurement process" if args.no_time else (
         f"median of {args.rounds} interleaved rounds after a warm-up")
-    print(f"SmolLM2-135M-Instruct, float32, {torch.get_num_threads()} thread(s), torch {torch.__version__}; "
-          f"times: {timed}; memory: peak RSS above the loaded "
+    print(f"SmolLM2-135M-Instruct, float32, {args.attention} attention, {torch.get_num_threads()} thread(s), "
+          f"torch {torch.__version__}; times: {timed}; memory: peak RSS above the loaded "
           "model, fresh process each\n")
     print("| tokens | method | time (s) | x gradient | peak memory (MiB) | x gradient |")
     print("| --- | --- | --- | --- | --- | --- |")
     for tokens in args.tokens:
         times = {} if args.no_time else timings(model, tokenizer, tokens, args.rounds, args.which)
-        measured = {name: peak_memory(name, tokens) for name in args.which} if args.memory or args.no_time else {}
+        measured = ({name: peak_memory(name, tokens, args.attention) for name in args.which}
+                    if args.memory or args.no_time else {})
         memory = {name: mib for name, (mib, _) in measured.items()}
         if args.no_time:  # the one run of each measurement process, one after another: rougher than the rounds
             times = {name: seconds for name, (_, seconds) in measured.items()}

@@ -276,13 +276,13 @@ def token_pair():
 def transposed_calls(monkeypatch):
     """The results of BiLRP's transposed map (None where it fell back), as they are made."""
     found = []
-    transposed = relprop.methods.bilrp._transposed
+    transposed = relprop.methods.bilrp.transposed_relevance
 
     def spied(*args):
         found.append(transposed(*args))
         return found[-1]
 
-    monkeypatch.setattr(relprop.methods.bilrp, "_transposed", spied)
+    monkeypatch.setattr(relprop.methods.bilrp, "transposed_relevance", spied)
     return found
 
 
@@ -313,8 +313,26 @@ def test_the_transposed_map_pools_before_it_differentiates(monkeypatch):
     left, right = (pool(attribution_per_dimension(model, "attnlrp", v, (m,)).flatten(0, 1)).unflatten(0, (16, 2))
                    for v, m in ((ids, mask), (ids2, mask2)))
     found = transposed_calls(monkeypatch)
+    with torch.inference_mode():  # the recorded passes need autograd all the same
+        pairs = relprop.BiLRP(model, "attnlrp").attribute(ids, ids2, (mask,), (mask2,), pool=pool)
+    assert pairs.shape == (2, 4, 5) and len(found) == 2 and all(side is not None for side in found)
+    expected = torch.einsum("mbi,mbj->bij", left, right)
+    assert torch.allclose(pairs, expected, rtol=0, atol=1e-12 * expected.abs().max())
+
+
+def test_a_pool_that_is_not_linear_is_applied_to_each_dimension(monkeypatch):
+    """The pooled relevance's derivative is the pool of each dimension's relevance only for a linear pool."""
+    model = MeanPooledEncoder("bert").double().eval()
+    ids, ids2, mask, mask2 = token_pair()
+
+    def pool(relevance):  # the largest relevance of the first two tokens, then the rest
+        return torch.cat([relevance[:, :2].amax(1, keepdim=True), relevance[:, 2:]], 1)
+
+    left, right = (pool(attribution_per_dimension(model, "attnlrp", v, (m,)).flatten(0, 1)).unflatten(0, (16, 2))
+                   for v, m in ((ids, mask), (ids2, mask2)))
+    found = transposed_calls(monkeypatch)
     pairs = relprop.BiLRP(model, "attnlrp").attribute(ids, ids2, (mask,), (mask2,), pool=pool)
-    assert pairs.shape == (2, 4, 5) and all(side is not None for side in found)
+    assert found == []
     expected = torch.einsum("mbi,mbj->bij", left, right)
     assert torch.allclose(pairs, expected, rtol=0, atol=1e-12 * expected.abs().max())
 
@@ -341,7 +359,7 @@ def test_sides_with_as_many_positions_as_dimensions_take_one_backward_pass_per_c
     mask, mask2 = torch.ones(2, 4, dtype=torch.float64), torch.ones(2, 5, dtype=torch.float64)
     found = transposed_calls(monkeypatch)
     pairs = relprop.BiLRP(model, "attnlrp").attribute(ids, ids2, (mask,), (mask2,))
-    assert len(found) == 1  # 4 tokens: the transposed map; 5 tokens: a pass per chunk of the 5 dimensions
+    assert len(found) == 1 and found[0] is not None  # 4 tokens: the transposed map; 5: a pass per chunk of 5 dimensions
     left, right = (attribution_per_dimension(model, "attnlrp", v, (m,)) for v, m in ((ids, mask), (ids2, mask2)))
     assert torch.allclose(pairs, torch.einsum("mbi,mbj->bij", left, right), rtol=0, atol=1e-12)
 
@@ -359,3 +377,42 @@ def test_a_backward_pass_that_cannot_be_differentiated_makes_the_side_fall_back(
     assert found == [None, None]
     expected = torch.einsum("mbi,mbj->bij", left, right)
     assert torch.allclose(pairs, expected, rtol=0, atol=1e-12 * expected.abs().max())
+
+
+class _DetachedEpsilon(relprop.rules.Rule):
+    """LRP-epsilon of a dense layer computed without autograd: a valid rule whose backward pass leaves the graph."""
+
+    kinds = frozenset({"dense"})
+
+    def propagate(self, call, relevance):
+        with torch.no_grad():
+            (x,) = call.inputs
+            return (x * ((relevance / relprop.rules.denominator(call.output, 1e-9)) @ call.weight),)
+
+
+class _TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.positive, self.negative = nn.Linear(3, 6, bias=False), nn.Linear(3, 6, bias=False)
+
+    def forward(self, x):
+        return self.positive(torch.relu(x)) + self.negative(torch.relu(-x))
+
+
+@pytest.mark.parametrize("case", ["a small example beside a large one", "a small position beside large ones"])
+def test_a_share_missing_from_a_small_example_or_position_is_seen(case, monkeypatch):
+    """The sum check compares each example and position on its own, not at the scale of the largest."""
+    model = _TwoBranches().double().eval()
+    composite = relprop.composites.AttnLRP(name_map={"negative": _DetachedEpsilon()})
+    if case.startswith("a small example"):  # example 0 takes the positive branch alone, example 1 the other
+        x = torch.tensor([[4e4, 2e4, 3e4], [-0.5, -1.0, -0.7]], dtype=torch.float64)
+    else:  # one feature, small, through the other branch
+        x = torch.tensor([[5.0, 3.0, -0.002]], dtype=torch.float64)
+    x2 = torch.rand(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) + 0.5
+    found = transposed_calls(monkeypatch)
+    pairs = relprop.BiLRP(model, composite).attribute(x, x2)
+    assert found[0] is None
+    left, right = (attribution_per_dimension(model, composite, v) for v in (x, x2))
+    expected = torch.einsum("mbi,mbj->bij", left, right)
+    assert torch.allclose(pairs, expected, rtol=0, atol=1e-12 * expected.abs().max())
+    assert torch.allclose(pairs[-1].sum(), expected[-1].sum(), rtol=1e-12, atol=0)

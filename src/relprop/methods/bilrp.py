@@ -23,11 +23,17 @@ back through that one forward pass, in one of two ways:
   ``s`` holds that position's relevance for every dimension at once. One
   backward pass that records itself (``create_graph``), then one backward
   pass through it per ``c`` positions (copy ``k`` of the recorded batch
-  serves the ``k``-th position of a group): about ``T`` example passes for
-  ``T`` tokens instead of ``D``. The sum over the dimensions is checked
-  against the relevance of the selector itself (what the dimensions' seeds
-  add up to): a rule whose backward pass is not differentiated with it would
-  miss a share of it, and the side is then explained the other way.
+  serves the ``k``-th position of a group): the work of about ``2 n``
+  example backward passes for ``n`` positions instead of ``D``. The sum
+  over the dimensions, weighted by ``s``, is checked at every example and
+  position against the relevance of the selector itself: a rule whose
+  backward pass leaves the graph would miss a share of it, and the side is
+  then explained the other way (after the time the transposed map took).
+  ``pool`` must be linear for this (a sum over patches): it is checked on
+  two random maps, and a pool that is not linear (a maximum) is applied to
+  each dimension's relevance the other way. Attention runs in its math
+  form in this recorded pass, holding each head's scores, so its copies
+  are at most ``relprop.methods.transposed.SCORES / n ** 2``.
 - **One backward pass per ``c`` dimensions** otherwise: the recorded batch
   holds ``c`` copies of the inputs, copy ``k`` seeded with the ``k``-th
   dimension of a chunk. More copies mean fewer backward passes but a longer
@@ -49,10 +55,10 @@ from relprop import composites
 from relprop.methods._inputs import forward_arguments, tile_arguments
 from relprop.methods.attribution import LRP, ForwardPass, cyclic_gc_paused
 from relprop.methods.targets import model_logits
+from relprop.methods.transposed import SCORES, Pool, additive, pooled, transposed_relevance
 
 __all__ = ["BiLRP"]
 
-Pool = Callable[[Tensor], Tensor]
 
 
 class _CallableEmbedding(nn.Module):
@@ -175,8 +181,8 @@ class BiLRP:
     recorded forward pass per side of ``c * B`` rows. By the transposed map
     (AttnLRP and CP-LRP, a side of ``n < D`` positions: tokens, or what
     ``pool`` leaves): one backward pass that records itself and ``ceil(n / c)``
-    passes through it, about ``3 * n * B`` example backward passes for the
-    side. Otherwise ``ceil(D / c)`` backward passes of ``c * B`` rows, about
+    passes through it, the work of about ``2 * n * B`` example backward passes
+    for the side. Otherwise ``ceil(D / c)`` backward passes of ``c * B`` rows, about
     ``D * B`` example backward passes for the side, as many as one
     attribution per dimension (each dimension's relevance is a map of its
     own; the recording saves their forward passes).
@@ -321,21 +327,24 @@ class BiLRP:
         """One side's relevance for every dimension, ``(D, B, *P)``, by the transposed map where it serves; else
         its pass recorded with copies for one backward pass per chunk of dimensions (see the module's notes)."""
         batch, dims = embedding.shape
-        positions = _pooled(torch.zeros(x.shape, dtype=embedding.dtype, device=embedding.device), pool)[0].numel()
-        if lrp.composite.gradient_form and positions < dims:
-            # attention's fused kernels have backward passes that cannot be differentiated; its math form's can
+        positions = pooled(torch.zeros(x.shape, dtype=embedding.dtype, device=embedding.device), pool)[0].numel()
+        if lrp.composite.gradient_form and positions < dims and additive(pool, x.shape, embedding):
+            # attention's fused kernels have backward passes that cannot be differentiated; its math form's can. It
+            # holds each head's scores, about positions ** 2 of them per copy: copies past SCORES of them are not
+            # worth their memory
+            copies = self._copies(batch, positions, min(self.max_batch, batch * max(1, SCORES // positions ** 2)))
             with sdpa_kernel(SDPBackend.MATH):
-                explained = _record(lrp, x, extra, self._copies(batch, positions))
+                explained = _record(lrp, x, extra, copies)
             if explained.gradient_form:
-                found = _transposed(explained, embedding, pool)
+                found = transposed_relevance(explained, embedding, pool)
                 if found is not None:
                     return found
         return _record(lrp, x, extra, self._copies(batch, dims))
 
-    def _copies(self, batch: int, count: int) -> int:
-        """Copies of the inputs per recorded pass, for ``count`` seeds or positions: at most ``max_batch`` rows,
-        the groups as even as that allows."""
-        largest = min(count, max(1, self.max_batch // batch))
+    def _copies(self, batch: int, count: int, rows: int | None = None) -> int:
+        """Copies of the inputs per recorded pass, for ``count`` seeds or positions: at most ``rows`` rows
+        (``max_batch``), the groups as even as that allows."""
+        largest = min(count, max(1, (rows or self.max_batch) // batch))
         passes = -(-count // largest)
         return -(-count // passes)
 
@@ -391,66 +400,8 @@ def _per_dimension(explained: ForwardPass, embedding: Tensor, chunk: range, pool
     seed = torch.zeros_like(explained.logits)
     seed[rows, chosen] = embedding.repeat(used, 1)[rows, chosen]
     (relevance,) = explained.relevance(seed)
-    relevance = _pooled(relevance, pool)
+    relevance = pooled(relevance, pool)
     return relevance.reshape(relevance.shape[0] // batch, batch, *relevance.shape[1:])[:used]
-
-
-def _transposed(explained: ForwardPass, embedding: Tensor, pool: Pool | None) -> Tensor | None:
-    """``R(phi_m)(x)`` for every dimension ``m``, ``(D, B, *P)``, from a gradient-form pass of copies of ``x``.
-
-    The derivative of the relevance at one position with respect to the selector ``s`` of the seed
-    ``s * phi(x)``; copy ``k`` gives the derivative at the ``k``-th position of each group. None where a backward
-    pass cannot be differentiated, or the dimensions' relevance weighted by ``s`` does not add up to the
-    relevance of ``s`` itself (see the module's notes).
-    """
-    batch, dims = embedding.shape
-    copies = explained.logits.shape[0] // batch
-    # any selector serves, the relevance being linear in it; a random one, because the check below is blind in
-    # the directions the relevance does not reach (a final LayerNorm's output sums to a constant: all ones is one)
-    drawn = torch.rand(embedding.shape, generator=torch.Generator().manual_seed(0), dtype=embedding.dtype)
-    weights = drawn.to(embedding.device).add_(0.5)
-    selector = weights.repeat(copies, 1).requires_grad_()
-    try:
-        (relevance,) = explained.propagate(selector * embedding.repeat(copies, 1), create_graph=True)
-        pooled = _pooled(relevance, pool)
-        shape, flat = pooled.shape[1:], pooled.reshape(copies, batch, -1)
-        groups = [_derivatives(flat, selector, start) for start in range(0, flat.shape[-1], copies)]
-    except RuntimeError:  # an op whose backward has no derivative of its own
-        return None
-    matrix = torch.cat(groups).permute(2, 1, 0)  # (D, B, positions)
-    # rounding aside, the dimensions add up to the selector's relevance; a share missing is an op whose backward
-    # pass was not recorded. Rounding at float32's at least: models in float64 still run some ops in float32
-    # (Hugging Face's RMSNorm and rotary embedding)
-    weighted = matrix * weights.T.unsqueeze(-1)
-    rounding = max(torch.finfo(matrix.dtype).eps, torch.finfo(torch.float32).eps)
-    if (weighted.sum(0) - flat[0].detach()).abs().amax() > rounding ** 0.5 * weighted.abs().sum(0).amax():
-        return None
-    return matrix.reshape(dims, batch, *shape)
-
-
-def _derivatives(flat: Tensor, selector: Tensor, start: int) -> Tensor:
-    """The derivatives of positions ``start, start + 1, ...`` of ``flat`` (copies, B, positions), one per copy, with
-    respect to ``selector`` (copies * B, D): ``(used, B, D)``."""
-    copies, batch, positions = flat.shape
-    used = min(copies, positions - start)
-    picks = torch.zeros_like(flat)
-    picks[torch.arange(used), :, torch.arange(start, start + used)] = 1
-    found = (torch.autograd.grad(flat, selector, picks, retain_graph=start + used < positions, allow_unused=True)[0]
-             if flat.requires_grad else None)
-    found = torch.zeros_like(selector) if found is None else found  # no relevance reaches x
-    return found.view(copies, batch, -1)[:used]
-
-
-def _pooled(relevance: Tensor, pool: Pool | None) -> Tensor:
-    """``pool(relevance)``, checked to keep the first dimension; ``relevance`` without ``pool``."""
-    if pool is None:
-        return relevance
-    recorded, pooled = relevance.shape[0], pool(relevance)
-    if not isinstance(pooled, Tensor) or pooled.shape[0] != recorded:
-        raise ValueError("relprop: pool must map relevance of shape (N, ...) to a tensor (N, ...) with the "
-                         f"same first dimension; for N = {recorded} it returned "
-                         f"{tuple(pooled.shape) if isinstance(pooled, Tensor) else type(pooled)}")
-    return pooled
 
 
 def _repeat(x: Tensor, copies: int) -> Tensor:
