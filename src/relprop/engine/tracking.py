@@ -60,6 +60,9 @@ class AliasTracker:
         #: tensor -> the op calls whose output an in-place ReLU set to 0 in entries the tensor holds: they read
         #: ``relu(z)`` for ``z`` unless a later op may give relevance to those entries (:meth:`follow_zeros`)
         self._zeroed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: attention written out, on its way: scores ``q @ k_t`` (scaled, masked) and their softmax -> what they were
+        #: computed from (``relprop.ops.attention.EagerScores``)
+        self._scores: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: address of an input's memory -> the op calls that read it (see :meth:`before_write`)
         self._readers: dict[int, list[weakref.ref[OpCall]]] = {}
 
@@ -88,6 +91,15 @@ class AliasTracker:
         elif isinstance(out, (tuple, list)):  # named tuples too: topk's values stay gates (a MoE router's weights)
             for value in out:
                 self.set_tag(value, tag)
+
+    def scores(self, x: Any) -> Any:
+        """What the attention scores or weights ``x`` were computed from, if it is known (else None)."""
+        return self._scores.get(x) if self._scores.data and isinstance(x, Tensor) else None
+
+    def set_scores(self, out: Any, scores: Any) -> None:
+        """``out`` holds attention scores or weights computed from ``scores``."""
+        if isinstance(out, Tensor) and out.requires_grad:
+            self._scores[out] = scores
 
     def routed(self, args: tuple, kwargs: dict, out: Any) -> None:
         """``out`` was routed from ``args`` (reshaped, indexed, cast): it keeps the first argument's tag (a
@@ -122,7 +134,7 @@ class AliasTracker:
         Else a BatchNorm after ``conv -> bn -> relu_`` would be merged into the
         convolution across the ReLU.
         """
-        for table in (self._producers, self._tags, self._zeroed):
+        for table in (self._producers, self._tags, self._zeroed, self._scores):
             if result is not None and result in table:
                 table[tensor] = table[result]
             elif tensor in table:

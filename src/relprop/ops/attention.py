@@ -139,3 +139,101 @@ register(_embedding, [F.embedding])
 
 
 ALWAYS_HANDLED.add(_embedding)
+
+
+class EagerScores:
+    """Attention written out, on its way: scores ``query @ key_t * scale (+ mask)``, or their softmax.
+
+    The ops that compute them note it as they run (:func:`note_scores`, :func:`note_scaled`,
+    :func:`note_masked`, :func:`note_softmax`, :func:`note_routed`); a matrix product of the weights with
+    values is then explained as fused attention of the same arguments (:func:`eager_attention`).
+    """
+
+    __slots__ = ("query", "key_t", "scale", "mask", "weights")
+
+    def __init__(self, query: Tensor, key_t: Tensor, scale: float = 1.0, mask: Tensor | None = None,
+                 weights: bool = False) -> None:
+        self.query, self.key_t, self.scale, self.mask, self.weights = query, key_t, scale, mask, weights
+
+    def but(self, **changes: Any) -> EagerScores:
+        """A copy with ``changes``."""
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        return EagerScores(**{**fields, **changes})
+
+
+#: matrix products that may compute scores or apply attention weights
+_MATMUL = frozenset({torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm})
+#: routing ops that keep attention weights what they are: casts (``softmax(..., dtype=float32).to(q.dtype)``)
+_CASTS = frozenset({"to", "type", "float", "double", "half", "bfloat16", "contiguous", "clone"})
+
+
+def note_scores(session: OpHost, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+    """``out = query @ key_t``, both activations: scores, if ``out`` is one softmax away from attention weights."""
+    if func in _MATMUL and not kwargs and len(args) == 2 and all(is_activation(a) and a.dim() >= 2 for a in args):
+        session.aliases.set_scores(out, EagerScores(args[0], args[1]))
+
+
+def note_scaled(session: OpHost, x: Tensor, factor: Any, out: Any) -> None:
+    """``out = x * factor`` (``factor`` a number): scores stay scores, scaled, before a mask is added."""
+    scores = session.aliases.scores(x)
+    if scores is not None and not scores.weights and scores.mask is None and type(factor) in (int, float):
+        session.aliases.set_scores(out, scores.but(scale=scores.scale * factor))
+
+
+def note_masked(session: OpHost, args: tuple, alpha: Any, out: Any) -> None:
+    """``out = scores + mask``, the mask a constant of the scores' dtype (a score term computed from activations
+    is one more input of the attention: not written out as fused attention)."""
+    if len(args) != 2 or alpha != 1:
+        return
+    for x, mask in (args, args[::-1]):
+        scores = session.aliases.scores(x)
+        if (scores is not None and not scores.weights and scores.mask is None and isinstance(mask, Tensor)
+                and not is_activation(mask) and mask.dtype == x.dtype):
+            session.aliases.set_scores(out, scores.but(mask=mask))
+            return
+
+
+def note_softmax(session: OpHost, x: Tensor, dim: int, out: Any) -> None:
+    """``out = softmax(scores, dim)`` along the keys (the last dimension): attention weights."""
+    scores = session.aliases.scores(x)
+    if scores is not None and not scores.weights and dim in (-1, x.dim() - 1):
+        session.aliases.set_scores(out, scores.but(weights=True))
+
+
+def note_routed(session: OpHost, func: Callable, args: tuple, out: Any) -> None:
+    """A cast (or an op that returned its input: dropout in eval mode) keeps attention weights what they are."""
+    if not args or not isinstance(args[0], Tensor) or not isinstance(out, Tensor):
+        return
+    scores = session.aliases.scores(args[0])
+    if scores is not None and (out is args[0] or (getattr(func, "__name__", None) in _CASTS
+                                                  and out.shape == args[0].shape)):
+        session.aliases.set_scores(out, scores)
+
+
+def eager_attention(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Tensor | None:
+    """``weights @ value`` with ``weights = softmax(query @ key_t * scale + mask)`` written out by the model: the
+    product's output, its relevance through ``F.scaled_dot_product_attention`` of the same arguments, whose rule is
+    the product and softmax rules of the whole (:class:`AttentionCall`). None where it is not that.
+
+    The written-out form would keep the ``T x T`` weights (and, for a stabilised product, the scores) for the
+    backward pass, and apply the products' rules with their own stabilisers; the fused form keeps what the
+    kernel keeps and gives the relevance of the same attention written as one call.
+    """
+    if func not in _MATMUL or kwargs or len(args) != 2 or not all(is_activation(a) for a in args):
+        return None
+    weights, value = args
+    scores = session.aliases.scores(weights)
+    if scores is None or not scores.weights:
+        return None
+    query, key_t = scores.query, scores.key_t
+    batch = query.shape[:-2]
+    if (key_t.shape[:-2] != batch or value.shape[:-2] != batch or weights.shape[:-2] != batch
+            or weights.shape[-2:] != (query.shape[-2], key_t.shape[-1]) or value.shape[-2] != key_t.shape[-1]
+            or not query.dtype == key_t.dtype == value.dtype):
+        return None
+    with torch.no_grad():  # the model's output, bitwise; its relevance goes through the fused attention
+        out = func(*args)
+    with session:  # back in the mode: the fused attention gets its rule
+        fused = F.scaled_dot_product_attention(query, key_t.transpose(-2, -1), value, attn_mask=scores.mask,
+                                               scale=scores.scale)
+    return substitute(out, fused)

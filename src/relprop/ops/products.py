@@ -14,6 +14,7 @@ from relprop._core.signatures import bind, bind_builtin
 from relprop._core.tensors import is_activation, plain_binary, sum_to
 from relprop.engine.calls import OpCall
 from relprop.engine.nodes import substitute
+from relprop.ops.attention import eager_attention, note_scaled, note_scores, note_softmax
 from relprop.ops.host import OpHost
 from relprop.ops.inplace import _in_place
 
@@ -72,14 +73,31 @@ def _product(matrix: bool, divide: bool = False) -> Handler:
     takes all where one factor is a gate; a divisor counts as a gate).
     """
     def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+        fused = eager_attention(session, func, args, kwargs) if matrix else None
+        if fused is not None:
+            return fused
         call = ProductCall(func, args, kwargs, session.module_name, matrix, divide, session.aliases.tag)
         if len(call.inputs) > 2 and not matrix:  # (an einsum of k factors is split k ways)
             return session.unknown(func, args, kwargs)
         out = session.run(call)
         if call.scaled is not None:
             session.aliases.set_tag(out, call.scaled)
+        if matrix:
+            note_scores(session, func, args, kwargs, out)
+        elif len(call.inputs) == 1 and len(args) == 2 and not kwargs:
+            _note_scaling(session, args, divide, out)
         return out
     return handle
+
+
+def _note_scaling(session: OpHost, args: tuple, divide: bool, out: Tensor) -> None:
+    """Attention scores times or divided by a number stay scores (``q @ k^T * scale``, ``/ sqrt(d)``)."""
+    x, factor = args if isinstance(args[0], Tensor) else args[::-1]
+    if divide:
+        if x is not args[0] or type(factor) not in (int, float) or factor == 0:
+            return
+        factor = 1 / factor
+    note_scaled(session, x, factor, out)
 
 
 class ProductCall(OpCall):
@@ -158,6 +176,7 @@ def _softmax(names: tuple[str, ...] | None) -> Handler:
             return session.unknown(func, args, kwargs)
         out = session.run(call)
         session.aliases.set_tag(out, "softmax")
+        note_softmax(session, bound["input"], bound["dim"], out)
         return out
     return handle
 

@@ -15,6 +15,7 @@ from relprop._core.registry import ROUTING_HANDLERS, lookup, register, torch_and
 from relprop._core.rule import Gradient, Reads
 from relprop._core.tensors import is_activation
 from relprop.engine.session import GradientFormUnavailable
+from relprop.ops.attention import note_routed
 from relprop.ops.host import OpHost
 
 
@@ -24,7 +25,9 @@ def _run(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     A tag of the first argument (gate, attention weights) carries over: a
     reshaped or cast gate is still a gate.
     """
-    return session.routed(func, args, kwargs)
+    out = session.routed(func, args, kwargs)
+    note_routed(session, func, args, out)
+    return out
 
 
 def _hook(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:

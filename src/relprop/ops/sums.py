@@ -14,6 +14,7 @@ from relprop._core.signatures import bind, bind_builtin
 from relprop._core.tensors import constant, is_activation, plain_binary
 from relprop.engine.calls import OpCall
 from relprop.engine.sums import AddCall
+from relprop.ops.attention import note_masked
 from relprop.ops.host import OpHost
 from relprop.ops.inplace import _in_place, _in_place_sum
 from relprop.ops.routing import _run, _run_in_place
@@ -103,7 +104,10 @@ def _add(sign: int) -> Handler:
         alpha = kwargs.get("alpha", 1)
         if not (plain_binary(args) and kwargs.keys() <= {"alpha"} and type(alpha) in (int, float)):
             return _sum(session, func, args, kwargs)
-        return _run_sum(session, AddCall(func, args, kwargs, op_name(func), session.module_name, sign * alpha))
+        out = _run_sum(session, AddCall(func, args, kwargs, op_name(func), session.module_name, sign * alpha))
+        if sign == 1:
+            note_masked(session, args, alpha, out)
+        return out
     return handle
 
 
