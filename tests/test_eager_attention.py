@@ -63,42 +63,78 @@ def test_written_out_attention_gets_the_relevance_of_the_fused_kernel(name, pres
 
 
 class WrittenOut(nn.Module):
-    """One head of self-attention written out by hand, its scores scaled by a division; optionally a score term
-    computed from the input (an activation: not an argument fused attention takes as a constant)."""
+    """One head of self-attention written out by hand, its scores scaled by a division, in one of several
+    ``variant``s: ``fused`` the same through ``F.scaled_dot_product_attention``; the others are no attention that
+    fused attention of ``q``, ``k``, ``v`` computes, or changed after the notes saw it."""
 
-    def __init__(self, activation_bias: bool = False):
+    def __init__(self, variant: str = "plain"):
         super().__init__()
         self.q, self.k, self.v, self.out = (nn.Linear(8, 8) for _ in range(4))
-        self.activation_bias = activation_bias
+        self.variant = variant
 
-    def forward(self, x, fused=False):
+    def forward(self, x):
         q, k, v = self.q(x), self.k(x), self.v(x)
-        if fused:
+        if self.variant == "fused":
             return self.out(F.scaled_dot_product_attention(q, k, v)).sum(1)
         scores = q @ k.transpose(-2, -1) / math.sqrt(8)
-        if self.activation_bias:
+        if self.variant == "activation bias":  # a score term computed from the input
             scores = scores + x.sum(-1, keepdim=True)
-        return self.out(torch.softmax(scores, dim=-1) @ v).sum(1)
+        elif self.variant == "activation bias in place":  # (MPNet: attention_scores += position_bias)
+            scores += x.sum(-1, keepdim=True)
+        elif self.variant == "negated in place":
+            scores.neg_()
+        elif self.variant == "reflected division":  # 2 / scores is no scaling
+            scores = 2.0 / scores
+        weights = torch.softmax(scores, dim=-1)
+        if self.variant == "weights changed unseen":  # no version counter sees it: the outputs differ
+            weights.data.mul_(0.5)
+        return self.out(weights @ v).sum(1)
 
 
 def test_attention_written_by_hand_is_recognised(monkeypatch):
     torch.manual_seed(0)
     model, x = WrittenOut().double().eval(), torch.randn(2, 5, 8, dtype=torch.float64)
-    expected = relprop.LRP(model, "attnlrp").attribute(x, target=1, additional_forward_args=(True,))
+    fused = WrittenOut("fused").double().eval()
+    fused.load_state_dict(model.state_dict())
+    expected = relprop.LRP(fused, "attnlrp").attribute(x, target=1)
     found = recognised(monkeypatch)
     relevance = relprop.LRP(model, "attnlrp").attribute(x, target=1)
     assert found == [False, True]  # the scores' product is no attention yet, the weights' product is
     assert torch.allclose(relevance, expected, rtol=0, atol=1e-12 * expected.abs().max())
 
 
-def test_a_score_term_computed_from_activations_keeps_the_written_out_rules(monkeypatch):
+def written_out_rules(model, composite, x, monkeypatch):
+    """The relevance with attention left written out: every op with its own rule."""
+    with monkeypatch.context() as patched:
+        patched.setattr(relprop.ops.products, "eager_attention", lambda *args: None)
+        return relprop.LRP(model, composite).attribute(x, target=1)
+
+
+@pytest.mark.parametrize("variant", ["activation bias", "activation bias in place", "negated in place",
+                                     "reflected division", "weights changed unseen"])
+def test_what_is_not_the_fused_attention_keeps_the_written_out_rules(variant, monkeypatch):
     torch.manual_seed(0)
-    model, x = WrittenOut(activation_bias=True).double().eval(), torch.randn(2, 5, 8, dtype=torch.float64)
+    model, x = WrittenOut(variant).double().eval(), torch.randn(2, 5, 8, dtype=torch.float64)
     found = recognised(monkeypatch)
     relevance = relprop.LRP(model, "attnlrp").attribute(x, target=1)
+    assert not any(found)  # (the last is found, and refused when the fused output is not the product's)
+    assert torch.equal(relevance, written_out_rules(model, "attnlrp", x, monkeypatch))
+
+
+@pytest.mark.parametrize("choice", ["func_map", "name_map", "softmax rule"])
+def test_rules_the_user_gave_the_written_out_ops_are_kept(choice, monkeypatch):
+    """The fused attention's rule is the default rules' of the whole; a rule mapped to a part is the user's."""
+    torch.manual_seed(0)
+    model, x = WrittenOut().double().eval(), torch.randn(2, 5, 8, dtype=torch.float64)
+    half = relprop.rules.UniformProduct(0.5)
+    composite = relprop.composites.AttnLRP(**({"func_map": {torch.matmul: half}} if choice == "func_map" else
+                                              {"name_map": {"": half}} if choice == "name_map" else {}))
+    if choice == "softmax rule":
+        composite._softmax = relprop.rules.Pass()
+    found = recognised(monkeypatch)
+    relevance = relprop.LRP(model, composite).attribute(x, target=1)
     assert not any(found)
-    monkeypatch.setattr(relprop.ops.products, "eager_attention", lambda *args: None)
-    assert torch.equal(relevance, relprop.LRP(model, "attnlrp").attribute(x, target=1))
+    assert torch.equal(relevance, written_out_rules(model, composite, x, monkeypatch))
 
 
 def kept_for_backward(root):
@@ -137,3 +173,15 @@ def test_the_attention_weights_are_not_kept_for_the_backward_pass(monkeypatch):
     explained.relevance(relprop.output_relevance(explained.logits, target))  # and the pass explains
     monkeypatch.setattr(relprop.ops.products, "eager_attention", lambda *args: None)
     assert weights_kept()[1] >= 2  # written out, the products keep them: one layer's at least per layer
+
+
+def test_an_explainer_called_again_on_written_out_attention_gives_the_same_relevance(monkeypatch):
+    """Such a pass gets no captured plan (the fused call runs inside the product's handler): every call is
+    intercepted, and recognised, alike."""
+    model, target = hugging_face("gpt2", "eager")
+    lrp = relprop.LRP(model, "attnlrp")
+    found = recognised(monkeypatch)
+    first = lrp.attribute(IDS, target=target)
+    for _ in range(3):
+        assert torch.equal(lrp.attribute(IDS, target=target), first)
+    assert sum(found) == 8

@@ -94,12 +94,14 @@ class AliasTracker:
 
     def scores(self, x: Any) -> Any:
         """What the attention scores or weights ``x`` were computed from, if it is known (else None)."""
-        return self._scores.get(x) if self._scores.data and isinstance(x, Tensor) else None
+        entry = self._scores.get(x) if self._scores.data and isinstance(x, Tensor) else None
+        # written into since (in place, or through a view: they share the version counter): no longer what was noted
+        return entry[0] if entry is not None and entry[1] == x._version else None
 
     def set_scores(self, out: Any, scores: Any) -> None:
-        """``out`` holds attention scores or weights computed from ``scores``."""
+        """``out`` holds attention scores or weights computed from ``scores`` (as long as nothing writes into it)."""
         if isinstance(out, Tensor) and out.requires_grad:
-            self._scores[out] = scores
+            self._scores[out] = (scores, out._version)
 
     def routed(self, args: tuple, kwargs: dict, out: Any) -> None:
         """``out`` was routed from ``args`` (reshaped, indexed, cast): it keeps the first argument's tag (a

@@ -16,6 +16,7 @@ from relprop._core.signatures import bind, bind_builtin
 from relprop._core.tensors import constant, is_activation
 from relprop.engine.calls import OpCall
 from relprop.engine.nodes import substitute
+from relprop.rules import Softmax
 from relprop.ops.host import OpHost
 
 
@@ -164,23 +165,31 @@ class EagerScores:
 #: matrix products that may compute scores or apply attention weights
 _MATMUL = frozenset({torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm})
 #: routing ops that keep attention weights what they are: casts (``softmax(..., dtype=float32).to(q.dtype)``)
-_CASTS = frozenset({"to", "type", "float", "double", "half", "bfloat16", "contiguous", "clone"})
+_CASTS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone"})
 
 
-def note_scores(session: OpHost, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+def _by_default(session: OpHost, call: OpCall) -> bool:
+    """Whether ``call`` takes the composite's default rule: a rule mapped to an op of the attention (by function,
+    module name, layer type, or on the module) is the user's choice, which the fused attention's rule would drop."""
+    return session.rule_for(call)[1] == "default"
+
+
+def note_scores(session: OpHost, call: OpCall, args: tuple, out: Any) -> None:
     """``out = query @ key_t``, both activations: scores, if ``out`` is one softmax away from attention weights."""
-    if func in _MATMUL and not kwargs and len(args) == 2 and all(is_activation(a) and a.dim() >= 2 for a in args):
+    if (call.func in _MATMUL and len(args) == 2 and all(is_activation(a) and a.dim() >= 2 for a in args)
+            and _by_default(session, call)):
         session.aliases.set_scores(out, EagerScores(args[0], args[1]))
 
 
-def note_scaled(session: OpHost, x: Tensor, factor: Any, out: Any) -> None:
+def note_scaled(session: OpHost, call: OpCall, x: Tensor, factor: Any, out: Any) -> None:
     """``out = x * factor`` (``factor`` a number): scores stay scores, scaled, before a mask is added."""
     scores = session.aliases.scores(x)
-    if scores is not None and not scores.weights and scores.mask is None and type(factor) in (int, float):
+    if (scores is not None and not scores.weights and scores.mask is None and type(factor) in (int, float)
+            and _by_default(session, call)):
         session.aliases.set_scores(out, scores.but(scale=scores.scale * factor))
 
 
-def note_masked(session: OpHost, args: tuple, alpha: Any, out: Any) -> None:
+def note_masked(session: OpHost, call: OpCall, args: tuple, alpha: Any, out: Any) -> None:
     """``out = scores + mask``, the mask a constant of the scores' dtype (a score term computed from activations
     is one more input of the attention: not written out as fused attention)."""
     if len(args) != 2 or alpha != 1:
@@ -188,16 +197,18 @@ def note_masked(session: OpHost, args: tuple, alpha: Any, out: Any) -> None:
     for x, mask in (args, args[::-1]):
         scores = session.aliases.scores(x)
         if (scores is not None and not scores.weights and scores.mask is None and isinstance(mask, Tensor)
-                and not is_activation(mask) and mask.dtype == x.dtype):
+                and not is_activation(mask) and mask.dtype == x.dtype and _by_default(session, call)):
             session.aliases.set_scores(out, scores.but(mask=mask))
             return
 
 
-def note_softmax(session: OpHost, x: Tensor, dim: int, out: Any) -> None:
-    """``out = softmax(scores, dim)`` along the keys (the last dimension): attention weights."""
+def note_softmax(session: OpHost, call: OpCall, x: Tensor, dim: int, out: Any) -> None:
+    """``out = softmax(scores, dim)`` along the keys (the last dimension), with the softmax rule: attention weights."""
     scores = session.aliases.scores(x)
     if scores is not None and not scores.weights and dim in (-1, x.dim() - 1):
-        session.aliases.set_scores(out, scores.but(weights=True))
+        rule, source = session.rule_for(call)
+        if source == "default" and type(rule) is Softmax:
+            session.aliases.set_scores(out, scores.but(weights=True))
 
 
 def note_routed(session: OpHost, func: Callable, args: tuple, out: Any) -> None:
@@ -210,20 +221,22 @@ def note_routed(session: OpHost, func: Callable, args: tuple, out: Any) -> None:
         session.aliases.set_scores(out, scores)
 
 
-def eager_attention(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Tensor | None:
+def eager_attention(session: OpHost, product: OpCall, args: tuple, kwargs: dict) -> Tensor | None:
     """``weights @ value`` with ``weights = softmax(query @ key_t * scale + mask)`` written out by the model: the
     product's output, its relevance through ``F.scaled_dot_product_attention`` of the same arguments, whose rule is
     the product and softmax rules of the whole (:class:`AttentionCall`). None where it is not that.
 
     The written-out form would keep the ``T x T`` weights (and, for a stabilised product, the scores) for the
-    backward pass, and apply the products' rules with their own stabilisers; the fused form keeps what the
-    kernel keeps and gives the relevance of the same attention written as one call.
+    backward pass; the fused form keeps what the kernel keeps. Recognised only where every op on the way took the
+    composite's default rule and the product's rule is the attention's, and checked: the fused output must equal
+    the product's to rounding.
     """
-    if func not in _MATMUL or kwargs or len(args) != 2 or not all(is_activation(a) for a in args):
+    func = product.func
+    if func not in _MATMUL or kwargs or len(args) != 2:
         return None
     weights, value = args
     scores = session.aliases.scores(weights)
-    if scores is None or not scores.weights:
+    if scores is None or not scores.weights or not is_activation(value):
         return None
     query, key_t = scores.query, scores.key_t
     batch = query.shape[:-2]
@@ -231,9 +244,18 @@ def eager_attention(session: OpHost, func: Callable, args: tuple, kwargs: dict) 
             or weights.shape[-2:] != (query.shape[-2], key_t.shape[-1]) or value.shape[-2] != key_t.shape[-1]
             or not query.dtype == key_t.dtype == value.dtype):
         return None
+    key = key_t.transpose(-2, -1)  # outside the mode: a view, for the rule's question alone
+    fused_call = AttentionCall(F.scaled_dot_product_attention, (query, key, value),
+                               {"attn_mask": scores.mask, "scale": scores.scale}, session.module_name)
+    if session.rule_for(product)[0] is not session.rule_for(fused_call)[0]:
+        return None
     with torch.no_grad():  # the model's output, bitwise; its relevance goes through the fused attention
         out = func(*args)
     with session:  # back in the mode: the fused attention gets its rule
         fused = F.scaled_dot_product_attention(query, key_t.transpose(-2, -1), value, attn_mask=scores.mask,
                                                scale=scores.scale)
+    # the same attention to rounding, or something the notes did not see changed it: then written out after all
+    rounding = max(torch.finfo(out.dtype).eps, torch.finfo(torch.float32).eps) ** 0.5
+    if not torch.allclose(fused.detach(), out, rtol=rounding, atol=rounding * float(out.abs().max())):
+        return None
     return substitute(out, fused)

@@ -73,31 +73,35 @@ def _product(matrix: bool, divide: bool = False) -> Handler:
     takes all where one factor is a gate; a divisor counts as a gate).
     """
     def handle(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
-        fused = eager_attention(session, func, args, kwargs) if matrix else None
+        call = ProductCall(func, args, kwargs, session.module_name, matrix, divide, session.aliases.tag)
+        fused = eager_attention(session, call, args, kwargs) if matrix else None
         if fused is not None:
             return fused
-        call = ProductCall(func, args, kwargs, session.module_name, matrix, divide, session.aliases.tag)
         if len(call.inputs) > 2 and not matrix:  # (an einsum of k factors is split k ways)
             return session.unknown(func, args, kwargs)
         out = session.run(call)
         if call.scaled is not None:
             session.aliases.set_tag(out, call.scaled)
-        if matrix:
-            note_scores(session, func, args, kwargs, out)
-        elif len(call.inputs) == 1 and len(args) == 2 and not kwargs:
-            _note_scaling(session, args, divide, out)
+        if matrix and not kwargs:
+            note_scores(session, call, args, out)
+        elif len(call.inputs) == 1 and len(args) == 2 and not kwargs and func not in _REFLECTED:
+            _note_scaling(session, call, args, divide, out)
         return out
     return handle
 
 
-def _note_scaling(session: OpHost, args: tuple, divide: bool, out: Tensor) -> None:
+#: ``2 / x``: a reflected division divides the number by the activation
+_REFLECTED = frozenset({Tensor.__rtruediv__, Tensor.__rdiv__})
+
+
+def _note_scaling(session: OpHost, call: ProductCall, args: tuple, divide: bool, out: Tensor) -> None:
     """Attention scores times or divided by a number stay scores (``q @ k^T * scale``, ``/ sqrt(d)``)."""
     x, factor = args if isinstance(args[0], Tensor) else args[::-1]
     if divide:
         if x is not args[0] or type(factor) not in (int, float) or factor == 0:
             return
         factor = 1 / factor
-    note_scaled(session, x, factor, out)
+    note_scaled(session, call, x, factor, out)
 
 
 class ProductCall(OpCall):
@@ -176,7 +180,7 @@ def _softmax(names: tuple[str, ...] | None) -> Handler:
             return session.unknown(func, args, kwargs)
         out = session.run(call)
         session.aliases.set_tag(out, "softmax")
-        note_softmax(session, bound["input"], bound["dim"], out)
+        note_softmax(session, call, bound["input"], bound["dim"], out)
         return out
     return handle
 

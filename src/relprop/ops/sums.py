@@ -104,9 +104,10 @@ def _add(sign: int) -> Handler:
         alpha = kwargs.get("alpha", 1)
         if not (plain_binary(args) and kwargs.keys() <= {"alpha"} and type(alpha) in (int, float)):
             return _sum(session, func, args, kwargs)
-        out = _run_sum(session, AddCall(func, args, kwargs, op_name(func), session.module_name, sign * alpha))
+        call = AddCall(func, args, kwargs, op_name(func), session.module_name, sign * alpha)
+        out = _run_sum(session, call)
         if sign == 1:
-            note_masked(session, args, alpha, out)
+            note_masked(session, call, args, alpha, out)
         return out
     return handle
 
