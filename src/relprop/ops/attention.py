@@ -164,7 +164,7 @@ class EagerScores:
 
 #: matrix products that may compute scores or apply attention weights
 _MATMUL = frozenset({torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm})
-#: routing ops that keep attention weights what they are: casts (``softmax(..., dtype=float32).to(q.dtype)``)
+#: routing ops that keep attention weights what they are: casts (``softmax(..., dtype=float32).to(q.dtype)``), copies
 _CASTS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone"})
 
 
