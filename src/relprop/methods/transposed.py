@@ -3,7 +3,8 @@
 In gradient form (AttnLRP, CP-LRP) relevance is a linear map of the seed. Recorded with ``create_graph``, the
 backward pass can be differentiated with respect to a selector ``s`` of the seed ``s * embedding``: the
 derivative of one input position's relevance is that position's relevance for every seed entry, one pass per
-position instead of one per seed entry. BiLRP uses it for the relevance of each embedding dimension (:mod:`relprop.methods.bilrp`).
+position instead of one per seed entry. BiLRP uses it for the relevance of each embedding dimension
+(:mod:`relprop.methods.bilrp`).
 """
 from __future__ import annotations
 
