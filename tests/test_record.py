@@ -90,3 +90,17 @@ def test_a_recorded_pass_is_freed_with_its_last_reference(reusable):
     explained.relevance(relprop.output_relevance(explained.logits, 1))
     del explained
     assert op_calls() == before
+
+
+def test_a_rule_that_cannot_be_differentiated_says_so_with_its_op():
+    """A backward pass taken with create_graph=True records the rules; one that writes into tensors autograd needs
+    (the relevance form's ``out=`` arithmetic) is named, with its op and module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    x = torch.rand(2, 4).requires_grad_()
+    with relprop.LRP(model, "epsilon").context():
+        out = model(x)
+    seed = (out.detach() * torch.tensor([1.0, 0.0, 0.0])).requires_grad_()
+    with pytest.raises(RuntimeError, match=r"rule Epsilon.* on torch.nn.functional.linear in module '2' cannot be "
+                                           r"differentiated \(the backward pass runs with create_graph=True\)"):
+        torch.autograd.grad(out, x, seed, create_graph=True)

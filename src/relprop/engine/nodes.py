@@ -59,11 +59,21 @@ class _Propagate(torch.autograd.Function):
             return (None,) * (1 + len(call.inputs))
         call.check_inputs()
         call.prepare()
-        result = call.rule.propagate(call, relevance)
+        result = call.rule.propagate(call, relevance) if not torch.is_grad_enabled() else _recorded(call, relevance)
         if call.audit is not None:
             call.audit(call, relevance, result)
         call.finish()
         return (None, *result)
+
+
+def _recorded(call: OpCall, relevance: Tensor) -> tuple[Tensor | None, ...]:
+    """The rule's relevance in a backward pass taken with ``create_graph=True``, which records it: a rule that
+    writes into tensors autograd needs cannot be recorded, and says so with the op's name."""
+    try:
+        return call.rule.propagate(call, relevance)
+    except RuntimeError as error:
+        raise RuntimeError(f"relprop: rule {call.rule!r} on {call.describe()} cannot be differentiated (the backward "
+                           f"pass runs with create_graph=True): {error}") from error
 
 
 def propagate(call: OpCall, rule: Rule, audit: Callable | None = None) -> Tensor:
