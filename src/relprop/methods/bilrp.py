@@ -60,7 +60,6 @@ from relprop.methods.transposed import SCORES, Pool, additive, pooled, transpose
 __all__ = ["BiLRP"]
 
 
-
 class _CallableEmbedding(nn.Module):
     """An embedding callable as a module whose submodules are the modules it runs (for module context)."""
 
