@@ -134,3 +134,10 @@ def plain_binary(args: tuple) -> bool:
     tensors = [a for a in args if isinstance(a, Tensor)]
     return (bool(tensors) and tensors[0].is_floating_point()
             and all(t.dtype == tensors[0].dtype and t.device == tensors[0].device for t in tensors))
+
+
+def rounding(dtype: torch.dtype) -> float:
+    """The relative difference two ways of computing one value in ``dtype`` may show: the square root of its
+    machine epsilon, and float32's at least, because models in wider types still run some ops in float32 (Hugging
+    Face's RMSNorm, rotary embedding and eager softmax)."""
+    return max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps) ** 0.5

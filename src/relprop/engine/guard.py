@@ -17,16 +17,13 @@ from torch import Tensor
 
 from relprop._core.errors import ConservationWarning, UnsupportedOpError
 from relprop._core.rule import Pass, Rule
+from relprop._core.tensors import rounding
 from relprop.engine.calls import OpCall
 
 #: how far the relevance an op hands on may exceed the relevance arriving (its absolute values summed) before a
 #: rule that conserves is reported. A conservative rule with a stabiliser hands on sum_k R_k z_k / (z_k + eps),
 #: never more than sum_k |R_k|: any excess is relevance created, and no stabiliser can cause it
 CONSERVATION_MARGIN = 1e-2
-
-
-#: the rounding the account of a whole backward pass allows at least, relative to the relevance it sums
-_FLOAT32_ROUNDING = math.sqrt(torch.finfo(torch.float32).eps)
 
 
 def _exact(rule: Rule) -> bool:
@@ -136,7 +133,7 @@ class Guard:
         scale += abs(seed) + sum(abs(r) for r in inputs)
         # relevance may cross casts to float32 between the ops (Llama-like models compute RMSNorm, RoPE and the
         # softmax in float32): no less than float32's rounding
-        if abs(unaccounted) > max(tolerance, _FLOAT32_ROUNDING) * scale:
+        if abs(unaccounted) > max(tolerance, rounding(torch.float32)) * scale:
             self.report_pass(f"relprop: {unaccounted:.6g} of the relevance is not accounted for: the seed totals "
                              f"{seed:.6g}, the inputs got {sum(inputs):.6g} and the ops absorbed {absorbed:.6g}; "
                              "relevance was created or lost by an op relprop does not see (an autograd op outside "

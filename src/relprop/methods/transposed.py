@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from relprop._core.tensors import rounding
 from relprop.methods.attribution import ForwardPass
 
 __all__ = ["Pool", "SCORES", "additive", "pooled", "transposed_relevance"]
@@ -51,7 +52,7 @@ def transposed_relevance(explained: ForwardPass, embedding: Tensor, pool: Pool |
     # pass was not recorded. Each example and position on its own: a share missing from a small one would vanish
     # in a larger one's scale
     weighted = matrix * weights.T.unsqueeze(-1)
-    if ((weighted.sum(0) - flat[0].detach()).abs() > _tolerance(matrix.dtype) * weighted.abs().sum(0)).any():
+    if ((weighted.sum(0) - flat[0].detach()).abs() > rounding(matrix.dtype) * weighted.abs().sum(0)).any():
         return None
     return matrix.reshape(dims, batch, *shape)
 
@@ -69,12 +70,6 @@ def _derivatives(flat: Tensor, selector: Tensor, start: int) -> Tensor:
     return found.view(copies, batch, -1)[:used]
 
 
-def _tolerance(dtype: torch.dtype) -> float:
-    """Relative rounding allowed between two ways of one sum: float32's at least, because models in float64 still
-    run some ops in float32 (Hugging Face's RMSNorm and rotary embedding)."""
-    return max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps) ** 0.5
-
-
 def additive(pool: Pool | None, shape: torch.Size, like: Tensor) -> bool:
     """Whether ``pool`` is additive on two random relevance maps of ``shape``: the transposed map differentiates
     the pooled relevance, which is the pool of each dimension's relevance only for a linear pool (a sum over
@@ -86,7 +81,7 @@ def additive(pool: Pool | None, shape: torch.Size, like: Tensor) -> bool:
     with torch.no_grad():
         together, apart = pooled(a + 2 * b, pool), pooled(a, pool) + 2 * pooled(b, pool)
     scale = pooled(a.abs(), pool).abs() + 2 * pooled(b.abs(), pool).abs()
-    return together.shape == apart.shape and bool(((together - apart).abs() <= _tolerance(like.dtype) * scale).all())
+    return together.shape == apart.shape and bool(((together - apart).abs() <= rounding(like.dtype) * scale).all())
 
 
 def pooled(relevance: Tensor, pool: Pool | None) -> Tensor:

@@ -13,7 +13,7 @@ from relprop._core.kinds import OpKind
 from relprop._core.registry import ALWAYS_HANDLED, op_name, register
 from relprop._core.sdpa import SDPA_ARGUMENTS, SDPA_TENSORS
 from relprop._core.signatures import bind, bind_builtin
-from relprop._core.tensors import constant, is_activation
+from relprop._core.tensors import constant, is_activation, rounding
 from relprop.engine.calls import OpCall
 from relprop.engine.nodes import substitute
 from relprop.rules import Softmax
@@ -255,7 +255,7 @@ def eager_attention(session: OpHost, product: OpCall, args: tuple, kwargs: dict)
         fused = F.scaled_dot_product_attention(query, key_t.transpose(-2, -1), value, attn_mask=scores.mask,
                                                scale=scores.scale)
     # the same attention to rounding, or something the notes did not see changed it: then written out after all
-    rounding = max(torch.finfo(out.dtype).eps, torch.finfo(torch.float32).eps) ** 0.5
-    if not torch.allclose(fused.detach(), out, rtol=rounding, atol=rounding * float(out.abs().max())):
+    tolerance = rounding(out.dtype)
+    if not torch.allclose(fused.detach(), out, rtol=tolerance, atol=tolerance * float(out.abs().max())):
         return None
     return substitute(out, fused)
