@@ -487,6 +487,53 @@ def print_targets(rounds: int, device: str, dtype: torch.dtype) -> None:
     for case, reference, ours, goal in target_ratios(rounds, device, dtype):
         print(f"| {case} | {reference * 1e3:.1f} | {ours * 1e3:.1f} | {ratio(ours, reference)} | <= {goal} |",
               flush=True)
+    print("\n## ResNet18's floor: the gradient and the one product z+ adds to it\n\n"
+          "| run | W+ | time (ms) | x gradient |\n| --- | --- | --- | --- |")
+    runs = zplus_floor(*setup("resnet18", 2, 64, device, dtype))
+    times = interleaved({key: run for key, (_, run) in runs.items()}, rounds, device)
+    for key, (weights, _) in runs.items():
+        print(f"| {key} | {weights} | {times[key] * 1e3:.1f} | {ratio(times[key], times['gradient'])} |", flush=True)
+
+
+def zplus_floor(model: torch.nn.Module, x: torch.Tensor, target: list[int]
+                ) -> dict[str, tuple[str, Callable[[], object]]]:
+    """The runs of the ResNet18 target's floor: the gradient, alone and with the forward product z+ adds, and
+    relprop; each with how it comes by ``W+``.
+
+    z+ needs ``W+ x`` at every convolution after the first (which takes the flat rule), beyond the model's
+    ``W x``; its transposed product ``W+^T s`` takes the place of the gradient's ``W^T g``. The floors run
+    that product in forward hooks of the plain gradient, without the merged BatchNorm, the bias, the division
+    or the products with the input: less than any z+ computes. ``W+`` is written into one buffer on each call,
+    as a rule must that reads the weights as they are at the call, or made once before the rounds, as a
+    cache across calls would allow.
+    """
+    convolutions = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)][1:]
+    buffer = torch.empty(max(m.weight.numel() for m in convolutions), device=x.device, dtype=x.dtype)
+    kept = {m: m.weight.detach().clamp(min=0) for m in convolutions}
+
+    def made(module: torch.nn.Conv2d) -> torch.Tensor:
+        weight = module.weight.detach()
+        return torch.clamp(weight, min=0, out=buffer[:weight.numel()].view_as(weight))
+
+    def with_product(positive: Callable[[torch.nn.Conv2d], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def product(module: torch.nn.Conv2d, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            with torch.no_grad():
+                module._conv_forward(inputs[0], positive(module), None)
+
+        def run() -> torch.Tensor:
+            handles = [m.register_forward_hook(product) for m in convolutions]
+            try:
+                return plain_gradient(model, x, target)
+            finally:
+                for handle in handles:
+                    handle.remove()
+        return run
+
+    return {"gradient": ("", functools.partial(plain_gradient, model, x, target)),
+            "gradient + conv(x, W+)": ("made on each call", with_product(made)),
+            "gradient + conv(x, kept W+)": ("made once, before the rounds", with_product(kept.__getitem__)),
+            "relprop EpsilonPlusFlat": ("made on each call", functools.partial(
+                relprop_method(model, "epsilon-plus-flat"), model, x, target))}
 
 
 def print_lxt(args: argparse.Namespace, dtype: torch.dtype) -> None:

@@ -146,3 +146,29 @@ def test_the_profile_prints_the_costliest_ops_of_each_run(capsys):
     assert [row[0].strip() for row in rows] == ["aten::mm", "aten::sum"]
     assert [row[1].strip() for row in rows] == ["[64, 64], [64, 64]", "[64, 64]"]
     assert [float(row[2]) for row in rows] == [1.0, 1.0]  # one call per run, averaged over five
+
+
+def test_the_z_plus_floor_adds_one_convolution_with_w_plus_at_every_convolution_but_the_first():
+    model, x, target = bench.setup("resnet18", 1, 32, "cpu")
+    runs = bench.zplus_floor(model, x, target)
+    convolutions = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    weights = []
+
+    class Convolutions(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.convolution.default:
+                weights.append(args[1].clone())  # W+ is written into one buffer, layer by layer
+            return func(*args, **(kwargs or {}))
+
+    for key in ("gradient", "gradient + conv(x, W+)", "gradient + conv(x, kept W+)"):
+        weights.clear()
+        with Convolutions():
+            runs[key][1]()
+        if key == "gradient":
+            assert len(weights) == len(convolutions)
+            continue
+        # the model's own, then W+ of each convolution after the first
+        assert len(weights) == 2 * len(convolutions) - 1
+        products = weights[2::2]
+        assert all(torch.equal(w, m.weight.clamp(min=0)) for w, m in zip(products, convolutions[1:]))
+        assert not any(m._forward_hooks for m in model.modules())  # the hooks came off
