@@ -18,6 +18,7 @@ targets, and ``--with lxt`` times LXT's AttnLRP in its own process (see
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import ctypes.util
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -493,6 +494,55 @@ def print_targets(rounds: int, device: str, dtype: torch.dtype) -> None:
     times = interleaved({key: run for key, (_, run) in runs.items()}, rounds, device)
     for key, (weights, _) in runs.items():
         print(f"| {key} | {weights} | {times[key] * 1e3:.1f} | {ratio(times[key], times['gradient'])} |", flush=True)
+    print("\n## The Llama of hidden 64: relprop without the checks that keep its replay sound\n\n"
+          "| run | guard, checks of the ops against the plan | time (ms) | x forward+backward |\n"
+          "| --- | --- | --- | --- |")
+    runs = unchecked_floor(device, dtype)
+    times = interleaved({key: run for key, (_, run) in runs.items()}, rounds, device)
+    for key, (checks, _) in runs.items():
+        print(f"| {key} | {checks} | {times[key] * 1e3:.1f} | {ratio(times[key], times['forward+backward'])} |",
+              flush=True)
+
+
+@contextlib.contextmanager
+def unchecked_replay() -> Iterator[None]:
+    """Captured plans replayed without checking each op against its step: not sound (a forward pass that takes
+    another path would run the wrong decisions), so for measuring what the checks cost only."""
+    from relprop.engine.plan import Replay
+
+    checked = Replay.run
+
+    def run(self: Replay, session: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
+        index = self._next
+        self._next = index + 1
+        out = self.plan.steps[index].action(session, func, args, kwargs)
+        self.origins.made(out, index)
+        return out
+
+    Replay.run = run  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Replay.run = checked  # type: ignore[method-assign]
+
+
+def unchecked_floor(device: str, dtype: torch.dtype) -> dict[str, tuple[str, Callable[[], object]]]:
+    """The runs of the Llama of hidden 64's floor: a forward and backward, relprop's AttnLRP, and the same with
+    neither the conservation guard nor the replay's checks (:func:`unchecked_replay`); each with what it checks.
+    Each explainer has recorded its plan before it is timed."""
+    model, ids, target, gradient = transformer_case("llama", 1, 16, device, dtype, 64, 2)
+    checked, unchecked = relprop.LRP(model, "attnlrp"), relprop.LRP(model, "attnlrp", guard=False)
+
+    def without_checks() -> object:
+        with unchecked_replay():
+            return unchecked.attribute(ids, target=target)
+
+    for _ in range(2):  # the second call records the plan, later ones follow it
+        checked.attribute(ids, target=target)
+        unchecked.attribute(ids, target=target)
+    return {"forward+backward": ("", gradient),
+            "relprop AttnLRP": ("both", functools.partial(checked.attribute, ids, target=target)),
+            "relprop AttnLRP, unchecked (not sound)": ("neither", without_checks)}
 
 
 def zplus_floor(model: torch.nn.Module, x: torch.Tensor, target: list[int]

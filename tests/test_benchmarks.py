@@ -172,3 +172,28 @@ def test_the_z_plus_floor_adds_one_convolution_with_w_plus_at_every_convolution_
         products = weights[2::2]
         assert all(torch.equal(w, m.weight.clamp(min=0)) for w, m in zip(products, convolutions[1:]))
         assert not any(m._forward_hooks for m in model.modules())  # the hooks came off
+
+
+def test_the_unchecked_floor_follows_its_plan_unchecked_with_the_checked_relevance(monkeypatch):
+    from relprop.engine import plan, session
+
+    runs = bench.unchecked_floor("cpu", torch.float32)
+    checked = runs["relprop AttnLRP"][1]()
+    counted = {"checks": 0, "interceptions": 0}
+    key, intercept = plan._key, session.Session.intercept
+
+    def counting_key(*args):
+        counted["checks"] += 1
+        return key(*args)
+
+    def counting_intercept(*args):
+        counted["interceptions"] += 1
+        return intercept(*args)
+
+    monkeypatch.setattr(plan, "_key", counting_key)
+    monkeypatch.setattr(session.Session, "intercept", counting_intercept)
+    unchecked = runs["relprop AttnLRP, unchecked (not sound)"][1]()
+    assert counted == {"checks": 0, "interceptions": 0}  # replayed, every op unchecked
+    assert torch.equal(unchecked, checked)
+    runs["relprop AttnLRP"][1]()
+    assert counted["checks"] > 0  # the checks are back after it
