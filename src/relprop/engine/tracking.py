@@ -154,7 +154,26 @@ class AliasTracker:
         call = self._producers.get(tensor)
         if call is not None:
             call.protect(copy)
+        self._written_through(tensor, call)
         self.before_write(tensor)
+
+    def escaped(self, tensor: Tensor) -> None:
+        """``tensor``'s memory was handed to code the engine does not follow (``tensor.data``), which may write
+        into it unseen and without a version bump: it is protected as before a write, and taken for written."""
+        self.protect(tensor)
+        self.overwritten(tensor)
+
+    def _written_through(self, view: Tensor, producer: OpCall | None) -> None:
+        """``view`` is about to be written into: where it is a view of another tensor, the memory of that tensor
+        changes too. Its producer keeps what it needs, and it is no longer what its producer computed (no
+        ReLU's output for the kernels, no convolution's for a BatchNorm to merge into)."""
+        base = view._base
+        if base is None:
+            return
+        owner = self._producers.get(base)
+        if owner is not None and owner is not producer:
+            owner.protect()
+        self.overwritten(base)
 
     def before_write(self, target: Tensor) -> None:
         """``target``, an activation, is about to be overwritten in place: the ops that read it keep copies."""
@@ -173,7 +192,7 @@ class AliasTracker:
         overwrites. Where a later op may give relevance to those entries, the
         producer computes ``z`` again (:meth:`follow_zeros`).
         """
-        if func not in KEEPS_NONZERO:
+        if func not in KEEPS_NONZERO or target._base is not None:  # through a view: a write into another tensor
             self.protect(target)
             return
         call = self._producers.get(target)

@@ -121,7 +121,9 @@ def _addmm(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """``addmm(bias, x, W)`` with a constant ``W`` (in x out), as Hugging Face's ``Conv1D`` writes a dense layer."""
     bound = bind_builtin(("input", "mat1", "mat2"), args, kwargs)
     bias, x, weight = bound.get("input"), bound.get("mat1"), bound.get("mat2")
-    if is_activation(weight) or is_activation(bias) or set(bound) - {"input", "mat1", "mat2"}:
+    # a dense layer's bias is one value per output feature (or one for all); another (per row) is a sum
+    per_feature = bias is None or (isinstance(bias, Tensor) and all(size == 1 for size in bias.shape[:-1]))
+    if is_activation(weight) or is_activation(bias) or set(bound) - {"input", "mat1", "mat2"} or not per_feature:
         return _ADD_PRODUCTS["addmm"](session, func, args, kwargs)
     if not is_activation(x):
         return func(*args, **kwargs)
@@ -161,7 +163,9 @@ def _batch_norm(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> A
         return func(*args, **kwargs)
     producer = session.aliases.producer(x)
     mean, var = bound["running_mean"], bound["running_var"]
+    # the BatchNorm normalises dimension 1; a dense layer's output features are its last
     if (not isinstance(producer, ParametricCall) or not producer.merges_batch_norm
+            or (producer.kind == OpKind.DENSE and x.dim() != 2)
             or bound["training"] or mean is None or session.module_rule() is not None):
         return session.run(session.record(OpKind.BATCHNORM, func, args, kwargs))
     weight = bound["weight"] if bound["weight"] is not None else torch.ones_like(var)

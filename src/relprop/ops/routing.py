@@ -30,6 +30,14 @@ def _run(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+def _escaping(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``x.data``: routing, but a write through the result reaches ``x``'s memory unseen (no version bump), so
+    ``x`` is taken for written: what read it or produced it keeps copies, and it is no ReLU's output any more."""
+    if is_activation(args[0]):
+        session.aliases.escaped(args[0])
+    return _run(session, func, args, kwargs)
+
+
 def _hook(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     """``Tensor.register_hook`` on an activation: on the tensor the relevance flows through, and said so.
 
@@ -105,8 +113,9 @@ register(
     lookup(F, "pad dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout pixel_shuffle "
                "pixel_unshuffle channel_shuffle unfold max_pool1d_with_indices "
                "max_pool2d_with_indices max_pool3d_with_indices"),
-    [getattr(Tensor, name).__get__ for name in ("T", "mT", "data")],
+    [getattr(Tensor, name).__get__ for name in ("T", "mT")],
 )
+register(_escaping, [getattr(Tensor, "data").__get__])  # (the stubs type `data` as a Tensor)
 register(_combine, torch_and_tensor("where scatter index_copy masked_scatter"),
           lookup(torch, "cat concat concatenate stack hstack vstack dstack"))
 # metadata, comparisons and other outputs without a gradient: nothing to propagate
