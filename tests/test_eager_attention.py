@@ -185,3 +185,21 @@ def test_an_explainer_called_again_on_written_out_attention_gives_the_same_relev
     for _ in range(3):
         assert torch.equal(lrp.attribute(IDS, target=target), first)
     assert sum(found) == 8
+
+
+def test_queries_that_see_no_key_are_explained_as_the_model_computes_them(monkeypatch):
+    # left padding: in float64 Hugging Face's eager Llama gives the padded queries rows of NaN (every key masked)
+    model, target = hugging_face("llama", "eager")
+    twin, _ = hugging_face("llama", "sdpa")
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0
+    found = recognised(monkeypatch)
+    with pytest.warns(relprop.ConservationWarning, match="NaN"):  # the model's own NaN, said where it starts
+        relevance = relprop.LRP(model, "attnlrp").attribute(IDS, target=target,
+                                                             additional_forward_args={"attention_mask": mask})
+    expected = relprop.LRP(twin, "attnlrp").attribute(IDS, target=target,
+                                                      additional_forward_args={"attention_mask": mask})
+    # recognition was asked, and kept the ops written out where the fused kernel's rows differ from the NaN rows
+    assert found
+    # the example without padding, to the float32 rounding of the eager softmax
+    torch.testing.assert_close(relevance[0], expected[0], rtol=1e-5, atol=1e-9)

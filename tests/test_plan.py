@@ -279,3 +279,88 @@ def test_a_pass_under_autocast_does_not_follow_a_plan_recorded_without_it(monkey
         expected = reference.attribute(x, target=1)
     assert counted.intercepted > 0
     assert torch.equal(relevance, expected)
+
+
+def _chain():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double().eval()
+    return model, torch.randn(4, 6, dtype=torch.float64)
+
+
+def test_a_square_weight_laid_out_anew_in_its_memory_is_seen():
+    model, x = _chain()
+    composite = relprop.composites.get("attnlrp")
+    composite.dense = relprop.rules.Epsilon(0.01)  # a node that holds the weight for the backward pass
+    lrp = relprop.LRP(model, composite)
+    attributions(lrp, x)
+    weight = model[2].weight
+    address = weight.data_ptr()
+    weight.data = weight.data.t()  # W <- W^T in the same memory: same address and shape, other strides
+    assert weight.data_ptr() == address
+    assert torch.equal(lrp.attribute(x, target=1), interception(model, x, composite))
+
+
+class _WrittenOutAttention(nn.Module):
+    """Attention written out with a float16 additive mask: recognised as fused only where the scores are float16."""
+
+    def __init__(self, width=16, steps=6):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width),
+                                          nn.Linear(width, 3))
+        self.register_buffer("mask", torch.triu(torch.full((steps, steps), -1e4), 1).half())
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        scores = q @ k.transpose(-1, -2) * 0.25 + self.mask
+        return self.o(torch.softmax(scores, -1) @ v)[:, -1]
+
+
+def test_a_pass_under_another_autocast_dtype_does_not_follow_the_plan():
+    torch.manual_seed(0)
+    model, x = _WrittenOutAttention().eval(), torch.randn(2, 6, 16)
+    lrp = relprop.LRP(model, "attnlrp")
+    for _ in range(2):  # interception, then recorded
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lrp.attribute(x, target=1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        relevance = lrp.attribute(x, target=1)
+        expected = interception(model, x, "attnlrp")
+    assert torch.equal(relevance, expected)
+
+
+class _Tunable(nn.Linear):
+    epsilon = 0.0
+
+    @property
+    def rule(self):  # the module's rule follows one of its settings
+        return relprop.rules.Epsilon(self.epsilon) if self.epsilon else None
+
+
+def test_a_module_rule_read_through_a_property_is_seen():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), _Tunable(6, 6), nn.Tanh(), nn.Linear(6, 3)).double().eval()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    lrp = relprop.LRP(model, "attnlrp")
+    attributions(lrp, x)
+    model[2].epsilon = 0.5
+    assert torch.equal(lrp.attribute(x, target=1), interception(model, x, lrp.composite))
+
+
+class _PerModule(relprop.composites.presets.AttnLRP):
+    """Chooses by a method of its own, from a module attribute no plan can watch."""
+
+    def rule_for(self, call, module, name):
+        if getattr(module, "stabilise", False):
+            return relprop.rules.Epsilon(0.5), "flagged module"
+        return super().rule_for(call, module, name)
+
+
+def test_a_composite_that_chooses_by_a_method_of_its_own_gets_no_plan(monkeypatch):
+    model, x = _chain()
+    lrp = relprop.LRP(model, _PerModule())
+    attributions(lrp, x)
+    model[2].stabilise = True
+    counted = Counted(monkeypatch)
+    assert torch.equal(lrp.attribute(x, target=1), interception(model, x, lrp.composite))
+    assert counted.replayed == 0
+    assert relprop.composites.get("attnlrp").replayable and not _PerModule().replayable

@@ -153,6 +153,17 @@ class Composite:
     #: own VJPs (see ``relprop.engine.Session``); the relevance is the same up to rounding
     gradient_form: bool = False
 
+    #: the methods by which a composite chooses rules
+    CHOOSERS = ("rule_for", "own_rule", "default", "function_rule", "_product", "_smoothed")
+
+    @property
+    def replayable(self) -> bool:
+        """Whether a captured plan sees every change of this composite's choices: they follow from its attributes,
+        the rules' and the modules' ``rule`` alone, as :class:`Composite`'s own methods choose. A subclass that
+        chooses by other means (a method of its own) may read anything, so its passes get no plan."""
+        kind = type(self)
+        return all(getattr(kind, name) is getattr(Composite, name) for name in self.CHOOSERS)
+
     def __init__(self, epsilon: float = 1e-6, conv: Rule | None = None, dense: Rule | None = None,
                  first: Mapping[str, Rule] | None = None, layer_map: _TypeMap | None = None,
                  name_map: _NameMap | None = None, func_map: _FuncMap | None = None, smooth_stride: bool = False):

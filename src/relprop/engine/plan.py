@@ -101,8 +101,8 @@ class Origins:
         if isinstance(value, Tensor):
             if is_activation(value):
                 return self.of(value)
-            if value.requires_grad:
-                return ("parameter", id(value), value.data_ptr(), value.shape)
+            if value.requires_grad:  # (``p.data = p.data.t()`` keeps a square weight's memory and shape)
+                return ("parameter", id(value), value.data_ptr(), value.shape, value.stride())
             return ("constant", value.dtype, value.shape, value.device)
         if type(value) in (tuple, list):
             return tuple([self.signature(v) for v in value])
@@ -114,8 +114,11 @@ class Origins:
 
 
 def _key(origins: Origins, module_name: str, args: tuple, kwargs: dict) -> tuple:
-    # autocast decides the dtypes of the activations, and the dtypes decide some calls (a sum's closed-form VJP)
-    return (module_name, torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
+    # autocast decides the dtypes of the activations, and the dtypes decide some calls (a sum's closed-form VJP,
+    # whether attention written out is recognised): whether it is on, and in which dtype
+    return (module_name, torch.is_grad_enabled(),
+            torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
             origins.arguments(args), origins.signature(kwargs) if kwargs else ())
 
 
@@ -206,7 +209,7 @@ class Step(NamedTuple):
 def _frozen(value: Any) -> Any:
     """``value`` as a comparable snapshot: containers copied element by element, tensors by identity and memory."""
     if isinstance(value, Tensor):
-        return ("tensor", id(value), value.data_ptr(), value.shape)
+        return ("tensor", id(value), value.data_ptr(), value.shape, value.stride())
     if isinstance(value, (list, tuple)):
         return tuple([_frozen(v) for v in value])
     if isinstance(value, dict):
@@ -247,11 +250,27 @@ def _state(composite: Any, model: nn.Module, rules: list[Any]) -> Any:
     """What a plan's decisions depend on besides the ops: the modules (and rules set on them), the composite's
     settings and each rule's."""
     # the modules and rules themselves (compared by identity): held here, their ids cannot pass to others
-    # a rule set on a module is a plain attribute, of the module or of its class: read where it is, since
-    # Module.__getattr__ costs a raised exception for every module that has none
-    modules = tuple([(name, module, module.__dict__.get("rule", getattr(type(module), "rule", None)))
-                     for name, module in model.named_modules()])
+    modules = tuple([(name, module, _module_rule(module)) for name, module in model.named_modules()])
     return (modules, _frozen(vars(composite)), tuple([(id(rule), _frozen(vars(rule))) for rule in rules]))
+
+
+_ABSENT = object()
+
+
+def _module_rule(module: nn.Module) -> Any:
+    """``getattr(module, "rule", None)``, as the composite reads it, without the exception that
+    ``Module.__getattr__`` raises for each module that has none: a plain attribute is read where it is."""
+    kind = type(module)
+    on_class = getattr(kind, "rule", _ABSENT)
+    if on_class is not _ABSENT and hasattr(on_class, "__get__"):  # a property, or another descriptor
+        return getattr(module, "rule", None)
+    on_module = module.__dict__.get("rule", _ABSENT)
+    if on_module is not _ABSENT:
+        return on_module
+    if on_class is not _ABSENT:
+        return on_class
+    # a class's own __getattr__ may make one
+    return None if kind.__getattr__ is nn.Module.__getattr__ else getattr(module, "rule", None)
 
 
 class Recording:

@@ -261,7 +261,7 @@ class LRP(Attribution):
         gradient_form = (self.composite.gradient_form and taps is None and audit is None
                          and self.session_class is Session)
         signature = (pass_signature(leaves, extra, keywords, reusable, self.guard, self.strict)
-                     if gradient_form and self.replay else None)
+                     if gradient_form and self.replay and self.composite.replayable else None)
         entry = self._plans.entry(signature) if signature is not None else None
         if entry is not None:
             entry.passes += 1
