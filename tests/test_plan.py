@@ -364,3 +364,16 @@ def test_a_composite_that_chooses_by_a_method_of_its_own_gets_no_plan(monkeypatc
     assert torch.equal(lrp.attribute(x, target=1), interception(model, x, lrp.composite))
     assert counted.replayed == 0
     assert relprop.composites.get("attnlrp").replayable and not _PerModule().replayable
+
+
+def test_a_model_with_frozen_parameters_follows_its_plan(monkeypatch):
+    model, x = _chain()
+    model.requires_grad_(False)
+    lrp = relprop.LRP(model, "attnlrp")
+    attributions(lrp, x, times=2)
+    counted = Counted(monkeypatch)
+    relevance = lrp.attribute(x, target=1)
+    assert counted.replayed > 0 and counted.intercepted == 0
+    assert torch.equal(relevance, interception(model, x))
+    model[2].weight.requires_grad_(True)  # unfrozen: seen
+    assert torch.equal(lrp.attribute(x, target=1), interception(model, x))

@@ -26,6 +26,13 @@ def is_activation(value: Any) -> TypeGuard[Tensor]:
             and not getattr(value, "_is_param", False))
 
 
+def is_parameter(value: Tensor) -> bool:
+    """A parameter: a ``torch.nn.Parameter`` (a frozen one too), or another tensor that requires grad and is no
+    activation. Captured plans know parameters by identity and memory, other constants by shape alone."""
+    return issubclass(type(value), _Parameter) or getattr(value, "_is_param", False) or (
+        value.requires_grad and not is_activation(value))
+
+
 _CONTAINERS = (list, tuple, dict)
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from relprop._core.registry import HANDLERS
-from relprop._core.tensors import is_activation
+from relprop._core.tensors import is_activation, is_parameter
 from relprop.engine.calls import OpCall
 from relprop.engine.functions import _Unhandled
 from relprop.engine.parametric import ParametricCall
@@ -94,15 +94,15 @@ class Origins:
     def signature(self, value: Any) -> Any:
         """What of ``value`` (an op's argument) decides the op's rule: everything but the values of its tensors.
 
-        Activations by origin; parameters (tensors that require grad and are no activations) by identity and
-        memory, so that a parameter given new memory (``p.data = ...``) is another; other tensors by dtype,
-        shape and device; containers element by element; other values as they are (compared with ``==``).
+        Activations by origin; parameters (:func:`~relprop._core.tensors.is_parameter`, frozen ones too) by
+        identity, memory and layout, so that a parameter given new memory (``p.data = ...``) is another; other
+        tensors by dtype, shape and device; containers element by element; other values as they are (compared with ``==``).
         """
         if isinstance(value, Tensor):
             if is_activation(value):
                 return self.of(value)
-            if value.requires_grad:  # (``p.data = p.data.t()`` keeps a square weight's memory and shape)
-                return ("parameter", id(value), value.data_ptr(), value.shape, value.stride())
+            if is_parameter(value):  # (``p.data = p.data.t()`` keeps a square weight's memory and shape)
+                return ("parameter", id(value), value.data_ptr(), value.shape, value.stride(), value.requires_grad)
             return ("constant", value.dtype, value.shape, value.device)
         if type(value) in (tuple, list):
             return tuple([self.signature(v) for v in value])
@@ -307,7 +307,7 @@ class Recording:
             self.valid = False
             return out
         for tensor in tensors_of((args, kwargs), []):
-            if tensor.requires_grad and not is_activation(tensor):
+            if is_parameter(tensor):
                 self._held[id(tensor)] = tensor
         self.origins.made(out, len(self.steps))
         self.steps.append(Step(func, key, action))

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from relprop._core.tensors import is_activation
+from relprop._core.tensors import is_parameter
 from relprop.engine.calls import OpCall
 from relprop.engine.parametric import ParametricCall
 
@@ -32,7 +32,7 @@ def tensors_of(value: Any, found: list[Tensor]) -> list[Tensor]:
 def parameters_of(call: ParametricCall, args: tuple, kwargs: dict) -> bool:
     """Whether the weight and bias ``call`` holds are the memory of parameters among the op's arguments (which the
     steps know by memory): a weight computed in the forward pass would be stale in a replay."""
-    parameters = [t for t in tensors_of((args, kwargs), []) if t.requires_grad and not is_activation(t)]
+    parameters = [t for t in tensors_of((args, kwargs), []) if is_parameter(t)]
     return all(any(p.data_ptr() == t.data_ptr() and p.shape == t.shape and p.stride() == t.stride()
                    for p in parameters)
                for t in (call.weight, call.bias) if t is not None)
