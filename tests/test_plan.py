@@ -377,3 +377,23 @@ def test_a_model_with_frozen_parameters_follows_its_plan(monkeypatch):
     assert torch.equal(relevance, interception(model, x))
     model[2].weight.requires_grad_(True)  # unfrozen: seen
     assert torch.equal(lrp.attribute(x, target=1), interception(model, x))
+
+
+class _MaxPooled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.second(self.first(x).max(dim=1).values)  # a named tuple of values and indices
+
+
+def test_a_pass_through_an_op_that_returns_a_named_tuple_follows_its_plan(monkeypatch):
+    torch.manual_seed(0)
+    model, x = _MaxPooled().double().eval(), torch.randn(4, 5, 6, dtype=torch.float64)
+    lrp = relprop.LRP(model, "attnlrp")
+    attributions(lrp, x, times=2)
+    counted = Counted(monkeypatch)
+    relevance = lrp.attribute(x, target=1)
+    assert counted.replayed > 0 and counted.intercepted == 0
+    assert torch.equal(relevance, interception(model, x))

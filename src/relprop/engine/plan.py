@@ -63,7 +63,7 @@ class Origins:
         if isinstance(out, Tensor):
             if is_activation(out):
                 self._made[id(out)] = (weakref.ref(out), (step, 0))
-        elif type(out) in (tuple, list):
+        elif isinstance(out, (tuple, list)):  # named tuples too (``x.max(dim)``)
             for index, value in enumerate(out):
                 if is_activation(value):
                     self._made[id(value)] = (weakref.ref(value), (step, index))
