@@ -366,15 +366,20 @@ def test_a_composite_that_chooses_by_a_method_of_its_own_gets_no_plan(monkeypatc
     assert relprop.composites.get("attnlrp").replayable and not _PerModule().replayable
 
 
-def test_a_model_with_frozen_parameters_follows_its_plan(monkeypatch):
-    model, x = _chain()
-    model.requires_grad_(False)
-    lrp = relprop.LRP(model, "attnlrp")
+def third_pass_replayed(lrp, x, monkeypatch):
+    """The relevance of ``lrp``'s third pass of ``x``, checked to follow the plan its second recorded, op for op."""
     attributions(lrp, x, times=2)
     counted = Counted(monkeypatch)
     relevance = lrp.attribute(x, target=1)
     assert counted.replayed > 0 and counted.intercepted == 0
-    assert torch.equal(relevance, interception(model, x))
+    return relevance
+
+
+def test_a_model_with_frozen_parameters_follows_its_plan(monkeypatch):
+    model, x = _chain()
+    model.requires_grad_(False)
+    lrp = relprop.LRP(model, "attnlrp")
+    assert torch.equal(third_pass_replayed(lrp, x, monkeypatch), interception(model, x))
     model[2].weight.requires_grad_(True)  # unfrozen: seen
     assert torch.equal(lrp.attribute(x, target=1), interception(model, x))
 
@@ -392,8 +397,4 @@ def test_a_pass_through_an_op_that_returns_a_named_tuple_follows_its_plan(monkey
     torch.manual_seed(0)
     model, x = _MaxPooled().double().eval(), torch.randn(4, 5, 6, dtype=torch.float64)
     lrp = relprop.LRP(model, "attnlrp")
-    attributions(lrp, x, times=2)
-    counted = Counted(monkeypatch)
-    relevance = lrp.attribute(x, target=1)
-    assert counted.replayed > 0 and counted.intercepted == 0
-    assert torch.equal(relevance, interception(model, x))
+    assert torch.equal(third_pass_replayed(lrp, x, monkeypatch), interception(model, x))
