@@ -7,6 +7,7 @@ import test_architectures as architectures
 import torch
 import torch.nn.functional as F
 import torchvision
+from helpers import Embedded, rms_norm, target_values, with_weights
 from torch import nn
 
 import relprop
@@ -15,12 +16,6 @@ from relprop.methods import DeepLift, DeepLiftShap, LayerDeepLift
 captum_attr = pytest.importorskip("captum.attr")
 
 D = torch.float64
-
-
-def target_values(model, x, target):
-    with torch.no_grad():
-        out = model(x)
-    return (out * relprop.methods.target_mask(out, target)).flatten(1).sum(1)
 
 
 def assert_complete(model, x, baseline, target, rtol=1e-8):
@@ -34,14 +29,6 @@ def assert_complete(model, x, baseline, target, rtol=1e-8):
     assert ((totals - (explained - reference)).abs() <= rtol * scale).all(), (totals, explained - reference)
     torch.testing.assert_close(delta, totals - (explained - reference), rtol=0, atol=1e-12 * scale.max().item())
     return attributions
-
-
-def with_weights(module, weight, bias=None):
-    with torch.no_grad():
-        module.weight.copy_(torch.as_tensor(weight, dtype=D))
-        if bias is not None:
-            module.bias.copy_(torch.as_tensor(bias, dtype=D))
-    return module
 
 
 # ------------------------------------------------------------------ parity with captum where it is right
@@ -432,17 +419,6 @@ def test_completeness_on_torchvision_families(name):
     assert_complete(model, x, 0.3 * torch.randn_like(x), architectures.TARGET)
 
 
-class Embedded(nn.Module):
-    """A causal language model explained on its input embeddings (DeepLift needs floating-point inputs)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, embeddings):
-        return self.model(inputs_embeds=embeddings).logits
-
-
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_completeness_on_a_tiny_llama(attention, monkeypatch):
     pytest.importorskip("transformers")
@@ -454,9 +430,6 @@ def test_completeness_on_a_tiny_llama(attention, monkeypatch):
     # as Hugging Face writes it, RMSNorm (and the eager softmax) compute in float32, and the multipliers through
     # them are float32 too: exact up to that rounding
     assert_complete(Embedded(model).eval(), embeddings, torch.zeros_like(embeddings), (-1, 5), rtol=1e-6)
-
-    def rms_norm(self, hidden):  # the same RMSNorm in the model's own precision
-        return self.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm)
     if attention == "sdpa":  # every op in float64: exact to rounding

@@ -12,13 +12,15 @@ EXACT = relprop.composites.Epsilon(epsilon=0.0)
 def reference(rnn: nn.Module, x: torch.Tensor, relevance_out: torch.Tensor) -> torch.Tensor:
     """Relevance of ``x`` (B, T, F) for output relevance (B, T, D*H) of a batch-first LSTM / GRU, from the formulas.
 
-    Epsilon-0 on the linear parts (biases absorb their share), gates take nothing, the signal takes all,
-    sums shared by contribution, tanh passes relevance. One time step at a time, plain tensor code.
+    Epsilon-0 on the linear parts (biases absorb their share; an LSTM's projection ``h = W_hr m`` is one more),
+    gates take nothing, the signal takes all, sums shared by contribution, tanh passes relevance. One time step at
+    a time, plain tensor code.
     """
     def div(a, b):
         return torch.where(b == 0, 0.0, a / torch.where(b == 0, 1.0, b))
 
     kind, hidden, directions = type(rnn).__name__, rnn.hidden_size, 2 if rnn.bidirectional else 1
+    width = getattr(rnn, "proj_size", 0) or hidden  # of the hidden state h
     batch, steps, _ = x.shape
     inputs, caches = [x], []
     for layer in range(rnn.num_layers):  # forward pass, keeping every intermediate value
@@ -27,8 +29,9 @@ def reference(rnn: nn.Module, x: torch.Tensor, relevance_out: torch.Tensor) -> t
             suffix = f"_l{layer}" + ("_reverse" if d else "")
             w_ih, w_hh = getattr(rnn, "weight_ih" + suffix), getattr(rnn, "weight_hh" + suffix)
             b_ih, b_hh = getattr(rnn, "bias_ih" + suffix), getattr(rnn, "bias_hh" + suffix)
-            h = torch.zeros(batch, hidden, dtype=x.dtype)
-            c = torch.zeros_like(h)
+            w_hr = getattr(rnn, "weight_hr" + suffix, None)
+            h = torch.zeros(batch, width, dtype=x.dtype)
+            c = torch.zeros(batch, hidden, dtype=x.dtype)
             cache, out = {}, [None] * steps
             for t in (range(steps - 1, -1, -1) if d else range(steps)):
                 a = inputs[-1][:, t] @ w_ih.T + b_ih
@@ -36,8 +39,11 @@ def reference(rnn: nn.Module, x: torch.Tensor, relevance_out: torch.Tensor) -> t
                 if kind == "LSTM":
                     i, f, g, o = (a + b).chunk(4, -1)
                     c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-                    cache[t] = dict(a=a, b=b, h=h, c=c, c_new=c_new, f=torch.sigmoid(f), i=torch.sigmoid(i), g=g)
-                    h, c = torch.sigmoid(o) * torch.tanh(c_new), c_new
+                    m = torch.sigmoid(o) * torch.tanh(c_new)
+                    h_new = m if w_hr is None else m @ w_hr.T
+                    cache[t] = dict(a=a, b=b, h=h, c=c, c_new=c_new, f=torch.sigmoid(f), i=torch.sigmoid(i), g=g,
+                                    m=m, h_new=h_new)
+                    h, c = h_new, c_new
                 else:
                     (a_r, a_z, a_n), (b_r, b_z, b_n) = a.chunk(3, -1), b.chunk(3, -1)
                     r, z = torch.sigmoid(a_r + b_r), torch.sigmoid(a_z + b_z)
@@ -47,7 +53,7 @@ def reference(rnn: nn.Module, x: torch.Tensor, relevance_out: torch.Tensor) -> t
                     cache[t] = dict(a_n=a_n, b_n=b_n, r=r, pre=pre, n=n, z=z, h=h, h_new=h_new)
                     h = h_new
                 out[t] = h
-            layer_caches.append((w_ih, w_hh, cache))
+            layer_caches.append((w_ih, w_hh, w_hr, cache))
             outs.append(torch.stack(out, 1))
         caches.append(layer_caches)
         inputs.append(torch.cat(outs, -1))
@@ -56,14 +62,15 @@ def reference(rnn: nn.Module, x: torch.Tensor, relevance_out: torch.Tensor) -> t
     for layer in reversed(range(rnn.num_layers)):  # backward pass, rule by rule
         layer_in = inputs[layer]
         r_in = torch.zeros_like(layer_in)
-        for d, (w_ih, w_hh, cache) in enumerate(caches[layer]):
-            r_out = relevance[..., d * hidden:(d + 1) * hidden]
-            r_h, r_c = torch.zeros(batch, hidden, dtype=x.dtype), torch.zeros(batch, hidden, dtype=x.dtype)
+        for d, (w_ih, w_hh, w_hr, cache) in enumerate(caches[layer]):
+            r_out = relevance[..., d * width:(d + 1) * width]
+            r_h, r_c = torch.zeros(batch, width, dtype=x.dtype), torch.zeros(batch, hidden, dtype=x.dtype)
             for t in (range(steps) if d else range(steps - 1, -1, -1)):
                 v = cache[t]
                 r_h = r_h + r_out[:, t]
                 if kind == "LSTM":
-                    r_c = r_c + r_h                                   # h = o * tanh(c): o nothing, tanh passes
+                    r_m = r_h if w_hr is None else v["m"] * (div(r_h, v["h_new"]) @ w_hr)  # epsilon-0, no bias
+                    r_c = r_c + r_m                                   # m = o * tanh(c): o nothing, tanh passes
                     r_prev_c = div(v["f"] * v["c"], v["c_new"]) * r_c  # c = f*c_prev + i*g, by contribution
                     r_g = div(v["i"] * torch.tanh(v["g"]), v["c_new"]) * r_c
                     z_g = (v["a"] + v["b"]).chunk(4, -1)[2]
@@ -84,17 +91,30 @@ def reference(rnn: nn.Module, x: torch.Tensor, relevance_out: torch.Tensor) -> t
     return relevance
 
 
+#: an LSTM with projections (``proj_size``) beside the plain layers: "LSTM-proj"
+KINDS = {"LSTM": ("LSTM", {}), "GRU": ("GRU", {}), "RNN": ("RNN", {}), "LSTM-proj": ("LSTM", {"proj_size": 3})}
+
+
+def layer(kind, **options):
+    """A recurrent layer of 4 input features and 5 hidden units (an LSTM-proj's hidden state has 3)."""
+    name, extra = KINDS[kind]
+    return getattr(nn, name)(4, 5, batch_first=True, **extra, **options)
+
+
+def width(kind):
+    return KINDS[kind][1].get("proj_size", 5)
+
+
 class Sequence(nn.Module):
     def __init__(self, kind, bias=True, layers=2, bidirectional=True):
         super().__init__()
-        self.rnn = getattr(nn, kind)(4, 5, num_layers=layers, bidirectional=bidirectional, batch_first=True,
-                                     bias=bias)
+        self.rnn = layer(kind, num_layers=layers, bidirectional=bidirectional, bias=bias)
 
     def forward(self, x):
         return self.rnn(x)[0]
 
 
-@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "LSTM-proj"])
 def test_two_layer_bidirectional_matches_the_explicit_reference(kind):
     torch.manual_seed(0)
     model = Sequence(kind).double().eval()
@@ -108,25 +128,25 @@ def test_two_layer_bidirectional_matches_the_explicit_reference(kind):
 class WithStates(nn.Module):
     def __init__(self, kind):
         super().__init__()
-        self.kind = kind
-        self.rnn = getattr(nn, kind)(4, 5, num_layers=2, batch_first=True, bias=False)
-        self.head = nn.Linear(5, 3, bias=False)
+        self.lstm = kind.startswith("LSTM")
+        self.rnn = layer(kind, num_layers=2, bias=False)
+        self.head = nn.Linear(width(kind), 3, bias=False)
 
     def forward(self, x, h0, c0):
-        out, _ = self.rnn(x, (h0, c0) if self.kind == "LSTM" else h0)
+        out, _ = self.rnn(x, (h0, c0) if self.lstm else h0)
         return self.head(out[:, -1])
 
 
-@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN", "LSTM-proj"])
 def test_conservation_with_initial_states(kind):
     torch.manual_seed(0)
     model = WithStates(kind).double().eval()
-    x, h0, c0 = (torch.randn(3, 6, 4, dtype=torch.float64), torch.randn(2, 3, 5, dtype=torch.float64),
+    x, h0, c0 = (torch.randn(3, 6, 4, dtype=torch.float64), torch.randn(2, 3, width(kind), dtype=torch.float64),
                  torch.randn(2, 3, 5, dtype=torch.float64))
     rx, rh, rc = relprop.LRP(model, EXACT, strict=True).attribute((x, h0, c0), target=1)
     total = rx.sum() + rh.sum() + rc.sum()  # the states are layer-first: totals over the batch
     torch.testing.assert_close(total, model(x, h0, c0)[:, 1].sum().detach(), rtol=1e-10, atol=1e-12)
-    assert rh.abs().sum() > 0 and (rc.abs().sum() > 0) == (kind == "LSTM")
+    assert rh.abs().sum() > 0 and (rc.abs().sum() > 0) == model.lstm
     assert torch.equal(relprop.LRP(model).record((x, h0, c0)).logits, model(x, h0, c0))  # bitwise
 
 
@@ -136,8 +156,8 @@ class Tagger(nn.Module):
     def __init__(self, kind):
         super().__init__()
         self.embed = nn.Embedding(30, 4)
-        self.rnn = getattr(nn, kind)(4, 5, bidirectional=True, batch_first=True, bias=False)
-        self.head = nn.Linear(10, 3, bias=False)
+        self.rnn = layer(kind, bidirectional=True, bias=False)
+        self.head = nn.Linear(2 * width(kind), 3, bias=False)
 
     def forward(self, ids, lengths):
         packed = pack_padded_sequence(self.embed(ids), lengths, batch_first=True, enforce_sorted=False)
@@ -146,7 +166,7 @@ class Tagger(nn.Module):
         return self.head(torch.cat([hidden[0], hidden[1]], -1))
 
 
-@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "LSTM-proj"])
 def test_packed_sequences_match_each_sequence_alone(kind):
     torch.manual_seed(0)
     model = Tagger(kind).double().eval()

@@ -19,6 +19,7 @@ from relprop._core.tensors import is_activation
 from relprop.engine.calls import OpCall
 from relprop.engine.nodes import write_into
 from relprop.engine.session import Session
+from relprop.engine.tracking import AliasTracker
 from relprop.methods._inputs import (
     Inputs,
     Target,
@@ -32,6 +33,7 @@ from relprop.methods._inputs import (
     tile_arguments,
 )
 from relprop.methods.attribution import LRP, Attribution, _captum_entry
+from relprop.methods.deeplift_reveal import RULES, RevealCancelComposite, Splits, collapse
 from relprop.methods.deeplift_rules import _NORMS, DeepLiftComposite, VectorNormRescale
 from relprop.methods.gradients import _completeness_delta
 from relprop.methods.layer import Tapper, backward_to_taps, resolve_module
@@ -56,19 +58,41 @@ _EXTREMA = {torch.amax: torch.amax, _T.amax: torch.amax, torch.amin: torch.amin,
 _IN_PLACE = {getattr(namespace, name + "_"): getattr(namespace, name) for namespace in (torch, _T, F)
              for name in (*IN_PLACE_NAMES, "sigmoid", "exp", *(f.__name__ for f in IN_PLACE_ACTIVATIONS))
              if hasattr(namespace, name + "_") and hasattr(namespace, name)}
+#: routing ops in place: under RevealCancel the target takes the parts of what is written into it
+_WRITES = frozenset(getattr(_T, name) for name in ("__setitem__", "copy_", "masked_fill_", "index_copy_", "index_fill_",
+                                                  "scatter_", "masked_scatter_", "fill_", "zero_"))
 #: activations with an ``inplace=`` argument
 _INPLACE_FLAG = frozenset(getattr(F, name) for name in (*INPLACE_FLAG_ACTIVATIONS, "hardsigmoid") if hasattr(F, name))
 
 
+class _SplitTracker(AliasTracker):
+    """The alias tracker of a RevealCancel pass: a tensor overwritten in place takes the parts of what it got."""
+
+    def __init__(self, splits: Splits):
+        super().__init__()
+        self.splits = splits
+
+    def overwritten(self, tensor: Tensor, result: Tensor | None = None) -> Tensor:
+        self.splits.set(tensor, None if result is None else self.splits.recorded(result))
+        return super().overwritten(tensor, result)
+
+    def protect(self, tensor: Any, copy: Tensor | None = None) -> None:
+        if copy is not None:  # the copy an op in place reads instead of its target
+            self.splits.set(copy, self.splits.recorded(tensor))
+        super().protect(tensor, copy)
+
+
 class _DeepLiftSession(Session):
-    """The engine's mode, with four changes for DeepLift.
+    """The engine's mode, with four changes for DeepLift, and a fifth for RevealCancel.
 
     Casts that round are elementwise ops (Rescale makes them exact); maxima
     and minima along dimensions are op calls of kind ``"maxpool"``; ops
     without an exact rule are noted with their module paths; elementwise ops
     in place run out of place and are written back after the op that reads
     the old values has kept a copy (the engine's own path lets the new op read
-    the overwritten memory when its rule is not ``Pass``).
+    the overwritten memory when its rule is not ``Pass``). Under RevealCancel
+    the op calls, routing ops and taps record the parts of their outputs'
+    differences (:class:`~relprop.methods.deeplift_reveal.Splits`).
     """
 
     accounts = False  # multipliers flow backward, not relevance: their totals are no account
@@ -80,9 +104,41 @@ class _DeepLiftSession(Session):
         #: the machine epsilon of the narrowest floating-point type an op computed in, where narrower than its input:
         #: multipliers through such ops are in that type, which bounds how exact DeepLift can be
         self.precision = 0.0
+        #: the parts of the activations' differences, under RevealCancel
+        self.splits: Splits | None = getattr(self.composite, "splits", None)
+        if self.splits is not None:
+            self.aliases = _SplitTracker(self.splits)
+
+    def run(self, call: OpCall, rule: Any = None, source: str = "inherited from the merged layer") -> Any:
+        if self.splits is None:
+            return super().run(call, rule, source)
+        self.splits.enter(call)
+        out = super().run(call, rule, source)
+        with self._reading():  # the engine computes: no op of the model
+            self.splits.leave(call, out)
+        return out
+
+    def routed(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        out = super().routed(func, args, kwargs)
+        if self.splits is not None:
+            with self._reading():
+                self.splits.route(func, args, kwargs, out)
+        return out
+
+    def tap(self, value: Any, record: Any) -> Any:
+        out = super().tap(value, record)
+        if self.splits is not None and out is not value:
+            self.splits.set(out, self.splits.recorded(value))
+        return out
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.splits is not None and func in _WRITES and not self.context.opaque and not self._engine_reads:
+            with self._reading():
+                parts = self.splits.write(func, args, kwargs)
+            out = super().__torch_function__(func, types, args, kwargs)
+            self.splits.set(args[0], parts)  # None: the signs, as routing gives them
+            return out
         if self.context.opaque or not args or not is_activation(args[0]):
             return super().__torch_function__(func, types, args, kwargs)
         if func in _IN_PLACE or func in _INPLACE_FLAG and bind(func, args, kwargs).get("inplace"):
@@ -103,7 +159,8 @@ class _DeepLiftSession(Session):
     def _vector_norm(self, out: Any) -> bool:
         """Whether ``out`` is the output of a norm that :class:`VectorNormRescale` propagates exactly."""
         call = self.aliases.producer(out) if isinstance(out, Tensor) else None
-        return call is not None and call.rule is not None and isinstance(call.rule, VectorNormRescale)
+        return call is not None and call.rule is not None and isinstance(RevealCancelComposite.unwrap(call.rule),
+                                                                          VectorNormRescale)
 
     def _extremum(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """``amax``/``amin``, and ``max``/``min`` along a dimension, as op calls with the max-pool rule.
@@ -159,12 +216,15 @@ class _Joint:
     """One forward pass over ``cat([inputs, baselines])`` under the DeepLift rules, and its seed."""
 
     def __init__(self, model: nn.Module, items: tuple[Tensor, ...], starts: tuple[Tensor, ...], target: Target,
-                 additional_forward_args: Any, taps: Any = None):
+                 additional_forward_args: Any, rule: str, taps: Any = None):
         batch = items[0].shape[0]
         if any(x.shape[0] != batch for x in items):
             raise ValueError(f"relprop: every input needs the same batch size, got {[x.shape[0] for x in items]}")
         self.batch, self.items, self.starts = batch, items, starts
-        self.lrp = _DeepLiftLRP(model, DeepLiftComposite(batch))
+        composite = RevealCancelComposite(batch) if rule == "reveal_cancel" else DeepLiftComposite(batch)
+        #: the parts of the activations' differences under RevealCancel, else None
+        self.splits: Splits | None = getattr(composite, "splits", None)
+        self.lrp = _DeepLiftLRP(model, composite)
         positional, keywords = tile_arguments(forward_arguments(additional_forward_args), batch)
         joined = tuple(torch.cat([x, start]) for x, start in zip(items, starts))
         with torch.inference_mode(False):
@@ -175,8 +235,9 @@ class _Joint:
                              f"and baselines), got shape {tuple(logits.shape)}")
         values = logits.detach()
         mask = target_mask(values[:batch], target)
-        #: the multiplier seeded at the output: 1 at the target of each input, nothing for the baselines
-        self.seed = torch.cat([mask, torch.zeros_like(mask)]).to(values.dtype)
+        #: the multiplier seeded at the output: 1 at the target of each input, nothing for the baselines; under
+        #: RevealCancel 1 for both parts of the target's difference
+        self.seed = torch.cat([mask, mask if self.splits is not None else torch.zeros_like(mask)]).to(values.dtype)
         explained = (values * torch.cat([mask, mask])).reshape(2 * batch, -1).sum(1)
         #: f(x) - f(x0) at the target, and |f(x)| + |f(x0)|, per example
         self.difference = explained[:batch] - explained[batch:]
@@ -184,6 +245,26 @@ class _Joint:
 
     def deltas(self) -> tuple[Tensor, ...]:
         return tuple(x - start for x, start in zip(self.items, self.starts))
+
+    def multipliers(self, found: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """The multiplier of each input entry, from what reached the inputs (under RevealCancel, a pair)."""
+        if self.splits is None:
+            return tuple(m[:self.batch] for m in found)
+        return tuple(collapse(m, d, self.batch) for m, d in zip(found, self.deltas()))
+
+    def contributions(self, found: Tensor, below: Tensor) -> tuple[Tensor, Tensor]:
+        """The contributions and multipliers of a tapped tensor ``below``, given what reached it."""
+        difference = below[:self.batch].detach() - below[self.batch:].detach()
+        if self.splits is None:
+            m = found[:self.batch]
+            return m * difference, m
+        parts = self.splits.of(below)
+        assert parts is not None, "a tapped tensor that got multipliers has the joint batch first"
+        share = found * parts
+        contribution = share[:self.batch] + share[self.batch:]
+        tiny = difference == 0
+        mean = (found[:self.batch] + found[self.batch:]) / 2
+        return contribution, torch.where(tiny, mean, contribution / torch.where(tiny, 1.0, difference))
 
     def delta(self, attributions: Sequence[Tensor]) -> Tensor:
         """captum's delta per example: ``attributions total - (f(x) - f(x0))``."""
@@ -214,8 +295,14 @@ def _format(inputs: Inputs, baselines: Any) -> tuple[tuple[Tensor, ...], tuple[T
     return items, format_baselines(items, baselines)
 
 
+def _rule(rule: str) -> str:
+    if rule not in RULES:
+        raise ValueError(f"relprop: DeepLift has no rule {rule!r}; the rules are {', '.join(map(repr, RULES))}")
+    return rule
+
+
 class DeepLift(Attribution):
-    """DeepLift with the Rescale rule (Shrikumar et al. 2017) on relprop's engine, with captum's interface.
+    """DeepLift, Rescale or RevealCancel rule (Shrikumar et al. 2017), on relprop's engine with captum's interface.
 
     Inputs and baselines run as one batch (one forward pass); each op's rule
     maps multipliers so that the attributions sum to ``f(x) - f(baseline)``
@@ -229,6 +316,10 @@ class DeepLift(Attribution):
         The model; batch first in every tensor it computes from the inputs.
     multiply_by_inputs : bool
         True (default): ``(x - baseline) * multiplier``; False: the multipliers (captum's flag).
+    rule : {"rescale", "reveal_cancel"}
+        The rule of the nonlinearities: Rescale (default), or RevealCancel, which splits each unit's input
+        difference into its positive and negative terms and measures each part's effect averaged over the
+        two orders (the table in :mod:`relprop.methods.deeplift_reveal`).
 
     Examples
     --------
@@ -243,14 +334,19 @@ class DeepLift(Attribution):
     torch.Size([2, 4])
     >>> bool(delta.abs().max() < 1e-5)  # they sum to f(x) - f(baseline)
     True
+    >>> reveal = relprop.methods.DeepLift(model, rule="reveal_cancel")
+    >>> attributions, delta = reveal.attribute(images, target=labels, return_convergence_delta=True)
+    >>> bool(delta.abs().max() < 1e-5)  # complete too
+    True
     """
 
-    def __init__(self, model: nn.Module, multiply_by_inputs: bool = True):
+    def __init__(self, model: nn.Module, multiply_by_inputs: bool = True, rule: str = "rescale"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"relprop: model must be a torch.nn.Module, got {type(model).__name__}")
         super().__init__(model)
         self.model = model
         self.multiplies_by_inputs = multiply_by_inputs
+        self.rule = _rule(rule)
 
     @_captum_entry
     def attribute(self, inputs: Inputs, baselines: Any = None, target: Target = None,
@@ -276,12 +372,12 @@ class DeepLift(Attribution):
             rounding, naming the ops without an exact rule that the model used.
         """
         items, starts = _format(inputs, baselines)
-        joint = _Joint(self.model, items, starts, target, additional_forward_args)
+        joint = _Joint(self.model, items, starts, target, additional_forward_args, self.rule)
         with torch.inference_mode(False):
-            multipliers = joint.explained.relevance(joint.seed)
-        contributions = tuple(m[:joint.batch] * d for m, d in zip(multipliers, joint.deltas()))
+            multipliers = joint.multipliers(joint.explained.relevance(joint.seed))
+        contributions = tuple(m * d for m, d in zip(multipliers, joint.deltas()))
         delta = joint.check(contributions)
-        found = contributions if self.multiplies_by_inputs else tuple(m[:joint.batch] for m in multipliers)
+        found = contributions if self.multiplies_by_inputs else multipliers
         result = found[0] if isinstance(inputs, Tensor) else found
         return (result, delta) if return_convergence_delta else result
 
@@ -351,13 +447,19 @@ class LayerDeepLift(Attribution):
     model : nn.Module
     layer : module or dotted module name
     multiply_by_inputs : bool
+    rule : {"rescale", "reveal_cancel"}
+        As for :class:`DeepLift`. Under RevealCancel a unit's attribution is
+        ``m+ P + m- M`` over the parts of its difference, and its multiplier
+        that divided by the difference.
     """
 
-    def __init__(self, model: nn.Module, layer: nn.Module | str, multiply_by_inputs: bool = True):
+    def __init__(self, model: nn.Module, layer: nn.Module | str, multiply_by_inputs: bool = True,
+                 rule: str = "rescale"):
         super().__init__(model)
         self.model = model
         self.layer = resolve_module(model, layer)
         self.multiplies_by_inputs = multiply_by_inputs
+        self.rule = _rule(rule)
 
     @_captum_entry
     def attribute(self, inputs: Inputs, baselines: Any = None, target: Target = None,
@@ -375,7 +477,8 @@ class LayerDeepLift(Attribution):
         """
         items, starts = _format(inputs, baselines)
         tapper = Tapper(attribute_to_layer_input)
-        joint = _Joint(self.model, items, starts, target, additional_forward_args, taps={self.layer: tapper})
+        joint = _Joint(self.model, items, starts, target, additional_forward_args, self.rule,
+                       taps={self.layer: tapper})
         with torch.inference_mode(False):
             backward_to_taps(joint.explained.logits, joint.seed, [tapper])
         results, deltas = [], []
@@ -386,10 +489,8 @@ class LayerDeepLift(Attribution):
                     found.append(None)
                     continue
                 assert record.below is not None, "a record of a layer that ran has its tensor"
-                m = record.value()[:joint.batch]
-                below = record.below.detach()
-                difference = below[:joint.batch] - below[joint.batch:]
-                found.append(m * difference if self.multiplies_by_inputs else m)
+                contribution, m = joint.contributions(record.value(), record.below)
+                found.append(contribution if self.multiplies_by_inputs else m)
             if return_convergence_delta:
                 deltas.append(joint.delta([a for a in found if a is not None]))
             results.append(found[0] if single else tuple(found))

@@ -12,7 +12,9 @@ rules, so the usual rules give the LSTM rules of Arras et al. (2017, 2019):
 - ``tanh`` passes relevance unchanged (the hidden state's relevance goes to
   the cell state);
 - ``c = f * c_prev + i * g`` is shared between the previous cell and the
-  candidate by their contributions.
+  candidate by their contributions;
+- a projection (``proj_size``), ``h = W_hr (o * tanh(c))``, is one more
+  linear map in each step: epsilon rule.
 
 GRU: ``r`` and ``z`` are gates; ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``
 gives the reset-gated term's relevance to ``W_hn h + b_hn``; ``h' = (1 - z) * n
@@ -40,12 +42,13 @@ State = Any
 
 
 def _lstm_cell(x: Tensor, state: tuple[Tensor, Tensor], w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None = None,
-               b_hh: Tensor | None = None) -> tuple[Tensor, Tensor]:
+               b_hh: Tensor | None = None, w_hr: Tensor | None = None) -> tuple[Tensor, Tensor]:
     h, c = state
     gates = F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh)
     i, f, g, o = gates.chunk(4, -1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    return torch.sigmoid(o) * torch.tanh(c), c
+    h = torch.sigmoid(o) * torch.tanh(c)
+    return (h if w_hr is None else F.linear(h, w_hr)), c
 
 
 def _gru_cell(x: Tensor, h: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None = None,
@@ -88,8 +91,8 @@ def _hidden(state: State) -> Tensor:
     return state[0] if isinstance(state, tuple) else state
 
 
-def _direction(cell: Callable[..., Any], steps: list[Tensor], state: State, weights: Sequence[Tensor], reverse: bool
-               ) -> tuple[list[Tensor], State]:
+def _direction(cell: Callable[..., Any], steps: list[Tensor], state: State, weights: Sequence[Tensor | None],
+               reverse: bool) -> tuple[list[Tensor], State]:
     """One direction of one layer over the time steps (each ``(batch_t, features)``, batch_t non-increasing)."""
     outputs: list[Tensor | None] = [None] * len(steps)
     order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
@@ -106,13 +109,16 @@ def _unrolled(kind: str, steps: list[Tensor], hx: State, params: Sequence[Tensor
     """The recurrent layer over ``steps`` (a list of per-time-step inputs); outputs per step and final states."""
     cell = _CELLS[kind]
     directions = 2 if bidirectional else 1
-    per = 4 if has_biases else 2
+    per = len(params) // (num_layers * directions)
+    projected = per != (4 if has_biases else 2)  # an LSTM with proj_size: w_hr after the weights and biases
     finals = []
     for layer in range(num_layers):
         outputs = []
         for direction in range(directions):
             index = layer * directions + direction
-            weights = params[index * per:(index + 1) * per]
+            weights: Sequence[Tensor | None] = params[index * per:(index + 1) * per]
+            if projected:  # (w_ih, w_hh, b_ih, b_hh, w_hr), the biases None where the layer has none
+                weights = (*weights[:-1], *[None] * (5 - per), weights[-1])
             out, state = _direction(cell, steps, _select(hx, index), weights, reverse=direction == 1)
             outputs.append(out)
             finals.append(state)
@@ -181,10 +187,6 @@ def _recurrent(kind: str) -> Handler:
     """``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``, padded or packed: unrolled for relevance."""
     def handle(session: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
         arguments = recurrent_arguments(args)
-        expected = (4 if arguments["has_biases"] else 2) * arguments["num_layers"] * (
-            2 if arguments["bidirectional"] else 1)
-        if len(arguments["params"]) != expected:
-            return session.unknown(func, args, kwargs)  # LSTM projections (proj_size) are not unrolled
         native = func(*args, **kwargs)
         return explain_recurrent(session, kind, native, **arguments)
     return handle
