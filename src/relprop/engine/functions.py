@@ -93,9 +93,10 @@ class Unruled:
         """Give every custom autograd Function whose output is among ``args`` its rule, once (a hook on its node).
 
         The Function's forward is not intercepted as one op (see :func:`_custom_function`); its output is seen
-        when the module that applied it returns it or, once an op has read activations with gradients off (as
-        the ops of a Function's forward do), when the first op reads it. ``module_name``: the module that applied
-        it (for an op, the module of the last op that ran with gradients off).
+        when the module that applied it returns it, or when an op reads it: every op looks at its arguments' autograd
+        nodes, since a Function whose forward runs no torch op on activations (a compiled extension reading their
+        memory) leaves no other trace. ``module_name``: the module that applied it (for an op, the module of an op
+        run inside the Function's forward, with gradients off, else the module of the op that reads it).
         """
         for value in args:
             if not isinstance(value, Tensor):

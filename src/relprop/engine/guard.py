@@ -3,7 +3,8 @@
 Each op's totals are kept as tensors while the relevance passes (:meth:`Guard._observe`) and read together
 once the pass ends, one synchronisation per backward pass: the relevance each op hands on, what arrived,
 and, where its rule conserves, what arrived summed in absolute value. The whole pass is accounted for too:
-the seed against the relevance of the inputs plus what the ops absorbed (:meth:`Guard.check_pass`).
+the seed against the relevance of the inputs plus what the ops absorbed (:meth:`Guard.check_pass`), and what the
+stabilisers changed of the total against the seed (:data:`STABILISER_BOUND`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ from relprop.engine.calls import OpCall
 #: rule that conserves is reported. A conservative rule with a stabiliser hands on sum_k R_k z_k / (z_k + eps),
 #: never more than sum_k |R_k|: any excess is relevance created, and no stabiliser can cause it
 CONSERVATION_MARGIN = 1e-2
+#: how far the stabilisers of a pass may move its relevance total, as a multiple of the seed's absolute total, before
+#: the pass is reported. A stabiliser shrinks each neuron's relevance towards 0 (by ``eps / (|z| + eps)``), so where
+#: relevance does not cancel, the stabilisers of all ops together absorb at most the whole seed, of its sign. They
+#: move the total further only where relevance of both signs nearly cancels and they shrink the two parts by
+#: different factors: that creates relevance, of either sign. Counted are the ops whose rule conserves but for its
+#: stabiliser (no bias takes a share there), down to the first rule that gives inputs of value 0 relevance (Flat,
+#: WSquare, ZBox); biases and the other non-conserving rules move the total by design
+STABILISER_BOUND = 1.0
 
 
 def _exact(rule: Rule) -> bool:
@@ -81,7 +90,7 @@ class Guard:
         relevance created or lost out of sight, reported (:meth:`_check`).
         """
         self._deferred = False
-        totals = [seed.sum(), *(r.sum() for r in relevance)] if self.guard and self.accounts else None
+        totals = [seed.sum(), seed.abs().sum(), *(r.sum() for r in relevance)] if self.guard and self.accounts else None
         self._check(totals)
 
     def _check(self, account: list[Tensor] | None = None) -> None:
@@ -89,7 +98,8 @@ class Guard:
 
         Also, among the ops whose rule conserves with no stabiliser, those whose relevance handed on differs from
         what arrived beyond rounding (the largest imbalances first); and, with ``account`` (the seed's total and
-        the inputs' totals), relevance that no op's rule accounts for.
+        the inputs' totals), relevance that no op's rule accounts for, and stabilisers that moved the total by more
+        than :data:`STABILISER_BOUND` times the seed (:meth:`_check_stabilisers`).
         """
         entries, self._totals = self._totals, []
         if not entries and not account:
@@ -105,12 +115,17 @@ class Guard:
         first_infinite = True
         absorbed = scale = 0.0
         imbalanced: list[tuple[float, Any, str]] = []
+        stabilised: list[tuple[float, Any]] = []  # what each op whose rule conserves but for its stabiliser absorbed
         fills = False  # whether a rule gave relevance to inputs of value 0: some may be padding, where it is lost
         for call, _, _, mass in entries:  # in the order the relevance reached them
             fills = fills or call.rule.fills_zeros
             total, arrived = next(numbers), next(numbers)
             bound = next(numbers) if mass is not None else math.inf
             absorbed += arrived - total
+            # below a rule that gives inputs of value 0 relevance, outputs of value 0 receive some, and the
+            # stabiliser takes it whole, as it should: those ops' stabilisers are not held to the bound
+            if mass is not None and not _exact(call.rule) and not fills:
+                stabilised.append((arrived - total, call))
             scale += abs(total) + (bound if mass is not None else abs(arrived))
             if not math.isfinite(total):
                 if first_infinite:  # the ops after it only pass it on
@@ -126,9 +141,12 @@ class Guard:
                                    f"arrived ({bound:.6g} in absolute value), though its rule conserves exactly"))
         for _, call, problem in sorted(imbalanced, key=lambda item: -item[0])[:3]:  # the largest imbalances
             self.report_rule(call, problem)
-        if account is None or not first_infinite or fills:
+        if account is None or not first_infinite:
             return
-        seed, *inputs = (next(numbers) for _ in account)
+        seed, seed_mass, *inputs = (next(numbers) for _ in account)
+        self._check_stabilisers(stabilised, seed, seed_mass, sum(inputs))
+        if fills:
+            return
         unaccounted = seed - sum(inputs) - absorbed
         scale += abs(seed) + sum(abs(r) for r in inputs)
         # relevance may cross casts to float32 between the ops (Llama-like models compute RMSNorm, RoPE and the
@@ -138,6 +156,33 @@ class Guard:
                              f"{seed:.6g}, the inputs got {sum(inputs):.6g} and the ops absorbed {absorbed:.6g}; "
                              "relevance was created or lost by an op relprop does not see (an autograd op outside "
                              "the engine's ops), a bug to report")
+
+    def _check_stabilisers(self, stabilised: list[tuple[float, Any]], seed: float, seed_mass: float,
+                           inputs: float) -> None:
+        """Report stabilisers that moved the total by more than :data:`STABILISER_BOUND` times the seed.
+
+        ``stabilised``: what each op whose rule conserves but for its stabiliser absorbed, with its call;
+        ``seed_mass``: the seed summed in absolute value (over a batch whose logits differ in sign, the seed's
+        total may be near 0); ``inputs``: the inputs' relevance total. The ops named are those that moved the
+        total most in the direction the stabilisers moved it together.
+        """
+        moved = -sum(absorbed for absorbed, _ in stabilised)
+        if not abs(moved) > STABILISER_BOUND * seed_mass:  # also False for NaN
+            return
+        movers = sorted(((-absorbed, call) for absorbed, call in stabilised if -absorbed * moved > 0),
+                        key=lambda item: -abs(item[0]))
+        by_rule: dict[str, list[str]] = {}  # the ops that moved it most, grouped by their rule
+        for change, call in movers[:3]:
+            op = f"'{call.module_name or '<root>'}' ({call.name}, {change:+.3g})"
+            by_rule.setdefault(repr(call.rule), []).append(op)
+        where = " and ".join(f"of {rule} at {', '.join(ops)}" for rule, ops in by_rule.items())
+        others = f" (and {len(movers) - 3} more ops)" if len(movers) > 3 else ""
+        self.report_pass(
+            f"relprop: the stabilisers {where}{others} changed the relevance total by {moved:.3g} for a seed of "
+            f"{seed:.3g}, more than {STABILISER_BOUND:g} times the seed's absolute total ({seed_mass:.3g}); the "
+            f"inputs got {inputs:.3g} in all. Relevance of both signs nearly cancels there, and a stabiliser shrinks "
+            "the two parts by different factors, which creates relevance: use a larger epsilon or a conserving rule "
+            "there (Epsilon(0.0) conserves exactly)")
 
     def report_pass(self, message: str) -> None:
         """The relevance of a whole backward pass cannot be right: warn once (raise in strict mode)."""

@@ -166,10 +166,8 @@ class Session(Guard, Unruled, TorchFunctionMode):
         self._totals: list[tuple[Any, Tensor, Tensor, Tensor | None]] = []
         #: whether the caller checks the totals with the seed and the inputs' relevance (:meth:`check_pass`)
         self._deferred = False
-        #: whether an op has read activations with gradients off (as a custom Function's forward does): the ops
-        #: then look for custom Functions among their arguments (:meth:`custom_functions`)
-        self._custom = False
-        #: the module of the last op that read activations with gradients off: where a Function was applied
+        #: the module of an op that read activations with gradients off (as a custom Function's forward does) since
+        #: the last op with gradients on: where a Function found among the next op's arguments was applied
         self._applied_in = ""
         #: whether the engine itself is reading tensors (:meth:`_reading`)
         self._engine_reads = False
@@ -411,12 +409,11 @@ class Session(Guard, Unruled, TorchFunctionMode):
             out = self.constant(func, args, kwargs, with_parameters)
             self._note("constant", with_parameters, out)
             return out
-        if not torch.is_grad_enabled():
-            # an op on activations with gradients off: in a custom Function's forward (or a no_grad block); from
-            # here on, the ops look for custom Functions' outputs among their arguments
-            self._custom, self._applied_in = True, self.module_name
-        if self._custom:
-            self.custom_functions(args, self._applied_in)
+        # custom Functions' outputs among the arguments, each op (a Function whose forward runs no torch op on
+        # activations, as a compiled extension's, is seen nowhere else): named after the module of an op run inside
+        # its forward (with gradients off), else after the module reading it
+        self.custom_functions(args, self._applied_in or self.module_name)
+        self._applied_in = "" if torch.is_grad_enabled() else self.module_name
         try:
             if handler is None:
                 return self.unknown(func, args, kwargs)

@@ -1,13 +1,15 @@
 """LRP-epsilon, on every op kind that is linear in its activations, and its form for norms."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from relprop._core.contract import Call, is_parametric
 from relprop._core.kinds import OpKind
-from relprop._core.rule import Reads, Rule
-from relprop.rules.stabilizers import inverse_denominator, per_unit_ratio
+from relprop._core.rule import Reads, Rule, Scaled
+from relprop.rules.stabilizers import inverse_denominator, per_unit_ratio, relative_inverse
 
 #: Op kinds that are linear in their activation inputs.
 LINEAR_KINDS = frozenset({OpKind.CONV, OpKind.DENSE, OpKind.BATCHNORM, OpKind.SUM, OpKind.NORM})
@@ -28,6 +30,15 @@ class Epsilon(Rule[Call]):
         Stabiliser added to the denominator with the sign of ``z``.
     zero_bias : bool
         Leave the bias out of the denominator, so that it absorbs no relevance.
+    relative : bool
+        Scale the stabiliser of each output by the size of its contributions, ``eps * sum_i |a_i w_ij|`` (the bias
+        counted as one, unless ``zero_bias``): ``epsilon`` is then a fraction, and the rule is the same at any
+        scale of the activations. Where the contributions of an output nearly cancel (``|z|`` below ``epsilon``
+        of their sum) the stabiliser takes most of its relevance: the relevance handed on, in absolute value, is at most
+        ``1 / epsilon`` times what arrived. On layers (one more pass of the layer, on ``|x|`` with ``|W|``) and on
+        sums of activations of one shape; on other ops (reductions, pooling, an unmerged BatchNorm) the
+        contributions are not at hand, and their stabiliser is ``epsilon * |z|``. Its gradient form is converted
+        from the relevance form.
     """
 
     kinds = LINEAR_KINDS
@@ -36,17 +47,39 @@ class Epsilon(Rule[Call]):
     prepares = True
     zero_for_zero_input = True
 
-    def __init__(self, epsilon: float = 1e-6, zero_bias: bool = False):
+    def __init__(self, epsilon: float = 1e-6, zero_bias: bool = False, relative: bool = False):
         self.epsilon = epsilon
         self.zero_bias = zero_bias
+        self.relative = relative
 
     def accepts(self, call: Call) -> bool:
         return super().accepts(call) and (not self.zero_bias or is_parametric(call))
 
+    def __repr__(self) -> str:  # ``relative`` only where set
+        relative = ", relative=True" if self.relative else ""
+        return f"{type(self).__name__}(epsilon={self.epsilon!r}, zero_bias={self.zero_bias!r}{relative})"
+
+    def conserves(self, call: Call) -> bool:
+        """Up to its stabiliser, where no constant takes a share: a layer without a bias (or with ``zero_bias``),
+        a sum of two or more activations (a residual connection). Not LRP-0, which drops the relevance of outputs
+        that are 0 (no input has a share of them) and has no stabiliser to account for it."""
+        if self.epsilon == 0:
+            return False
+        if is_parametric(call):
+            return self.zero_bias or call.bias is None
+        # a sum of one activation may add a constant (x + b), which keeps its share like a bias
+        return call.kind == OpKind.SUM and len(call.inputs) > 1
+
     def prepare(self, call: Call) -> Tensor:
-        """``1 / (z + eps sign z)``, with ``z`` the output (less the bias with ``zero_bias``)."""
-        if self.zero_bias and is_parametric(call) and call.bias is not None:
-            return inverse_denominator(call.output - call.bias_term(), self.epsilon)
+        """``1 / (z + eps sign z)``, with ``z`` the output (less the bias with ``zero_bias``); with ``relative``,
+        ``eps`` times the contributions' absolute sum."""
+        unbiased = call.output - call.bias_term() if self.zero_bias and is_parametric(call) and call.bias is not None \
+            else None
+        if self.relative:
+            return relative_inverse(call.output if unbiased is None else unbiased, self._contributions(call),
+                                    self.epsilon)
+        if unbiased is not None:
+            return inverse_denominator(unbiased, self.epsilon)
         z = call.take_output() if call.output_nonnegative else None
         return inverse_denominator(call.output if z is None else z, self.epsilon, in_place=z is not None)
 
@@ -65,12 +98,28 @@ class Epsilon(Rule[Call]):
                      x.mul_(c) if i in call.scratch and c.shape == x.shape else x * c
                      for i, (x, c) in enumerate(zip(call.inputs, grads)))
 
+    def _contributions(self, call: Call) -> Tensor:
+        """``sum_i |a_i w_ij|`` per output ``j`` (the bias's ``|b_j|`` too, unless ``zero_bias``); ``|z|`` where the
+        op's contributions are not at hand."""
+        z = call.output
+        if is_parametric(call):
+            (x,) = call.inputs
+            bias = None if self.zero_bias or call.bias is None else call.bias.abs()
+            return call.evaluate(x.abs(), call.weight.abs(), bias)
+        if call.kind == OpKind.SUM and all(x.shape == z.shape for x in call.inputs):
+            # a sum of activations of the output's shape: each entry is sum_i c_i x_i, c_i its VJP of ones
+            factors = call.vjp(torch.ones_like(z))
+            return sum((x.abs() * c.abs() for x, c in zip(call.inputs, factors) if c is not None), z.new_zeros(()))
+        return z.abs()
+
     @property
     def _stabilised(self) -> bool:
         """Whether the gradient form scales ``G`` by ``z / (z + eps sign z)``: LRP-0 (in any dtype) does not."""
         return self.zero_bias or self.epsilon != 0
 
-    def gradient_reads(self, call: Call) -> Reads:
+    def gradient_reads(self, call: Call) -> Reads | None:
+        if self.relative:  # its stabiliser reads the inputs: converted from the relevance form (gradient_form)
+            return None
         # LRP-0 in gradient form is the op's own VJP: nothing of the call is kept but its autograd graph
         return Reads(vjp=True, output=self._stabilised, native=not self._stabilised)
 
@@ -81,6 +130,12 @@ class Epsilon(Rule[Call]):
         if is_parametric(call):  # on a vocabulary head, the rows of G that hold relevance alone
             return call.vjp_scaled(grad, self._ratio)
         return call.vjp(grad * self._ratio(call.output, None))
+
+    def scaled(self, call: Call) -> Scaled | None:
+        # its ratio reads the bias term, or the inputs, which a traced pass does not hand over
+        if self.zero_bias or self.relative:
+            return None
+        return Scaled(output=functools.partial(per_unit_ratio, epsilon=self.epsilon) if self._stabilised else None)
 
     def _ratio(self, z: Tensor, bias: Tensor | None) -> Tensor:
         """``z / (z + eps sign z)``; with ``zero_bias`` and a ``bias`` (broadcast against ``z``), ``z / (d + eps

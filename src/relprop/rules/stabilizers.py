@@ -1,4 +1,5 @@
-"""The stabilised denominators of the rules: ``z + eps * sign(z)`` and its inverse."""
+"""The stabilised denominators of the rules: ``z + eps * sign(z)`` and its inverse, and the stabiliser relative to
+the size of the contributions (:func:`relative_inverse`)."""
 from __future__ import annotations
 
 import math
@@ -48,6 +49,18 @@ def inverse_denominator(z: Tensor, epsilon: float, in_place: bool = False) -> Te
     # copysign(eps, 0.0) = +eps; the rare -0.0 gets -eps, the same magnitude. One new tensor, written in place:
     # on large tensors every fresh allocation costs page faults
     return torch.copysign(z.new_full((), epsilon), z).add_(z).reciprocal_()
+
+
+def relative_inverse(z: Tensor, contributions: Tensor, epsilon: float) -> Tensor:
+    """``1 / (z + epsilon * m * sign z)``, ``m`` the ``contributions`` (``sum_i |a_i w_i|`` of each output, ``>= |z|``).
+
+    Written into ``contributions``. 0 where the denominator is 0 (``z`` and its contributions all 0), where no
+    relevance can arrive. In float16 and bfloat16 ``epsilon`` is at least the dtype's machine epsilon.
+    """
+    epsilon = _stabilizer(epsilon, z.dtype)
+    # copysign: sign(+0) = +1, so an output of 0 with contributions of both signs gets a finite inverse
+    denominator = torch.copysign(contributions.mul_(epsilon), z).add_(z)
+    return denominator.reciprocal_().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def per_unit_ratio(z: Tensor, epsilon: float, denominator_of: Tensor | None = None) -> Tensor:
