@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import click
 
-from relprop.cli import dataset, explain, text  # noqa: F401  (each adds its commands to the group)
+from relprop.cli import dataset, explain, patch, text  # noqa: F401  (each adds its commands to the group)
 from relprop.cli.app import Command, CommandError, app, image_options, model_options, out_option, preset_option
 from relprop.cli.inputs import load_images, load_model, readable_images
 

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from relprop import composites
+from relprop._core.modules import evaluation
 from relprop.methods._inputs import forward_arguments, tile_arguments
 from relprop.methods.attribution import LRP, ForwardPass, cyclic_gc_paused
 from relprop.methods.targets import model_logits
@@ -95,19 +96,6 @@ def _outermost_modules() -> Iterator[list[nn.Module]]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-@contextmanager
-def _evaluation(module: nn.Module) -> Iterator[None]:
-    """The module and its submodules in eval mode for the block; their flags are as before afterwards."""
-    training = [submodule for submodule in module.modules() if submodule.training]
-    try:
-        for submodule in training:
-            submodule.training = False
-        yield
-    finally:
-        for submodule in training:
-            submodule.training = True
 
 
 def _referenced_modules(function: Any) -> list[tuple[str, nn.Module]]:
@@ -236,7 +224,7 @@ class BiLRP:
                 with _outermost_modules() as found:
                     self.embed(x, *args, **kwargs)
                 self._module = self._wrap(found)
-            with _evaluation(self._module):  # as the attributions see it (dropout off), which warn about it
+            with evaluation(self._module):  # as the attributions see it (dropout off), which warn about it
                 return self._checked(model_logits(self._module(x, *args, **kwargs)), x)
 
     def similarity(self, x: Tensor, x2: Tensor, additional_forward_args: Any = None,

@@ -1,0 +1,79 @@
+"""``relprop patch``: which heads, MLPs and residual positions carry a behaviour, by three kinds of patching."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from relprop import composites
+from relprop.cli.app import CommandError, _write_json, app, out_option
+from relprop.cli.text import _language_model
+from relprop.workflows.patching import COMPONENTS, METHODS, Patching, recovery
+
+
+def _ids(tokenizer: Any, text: str, what: str) -> torch.Tensor:
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    if ids.shape[1] == 0:
+        raise CommandError(f"the {what} {text!r} has no tokens")
+    return ids
+
+
+@app.command("patch")
+@click.option("--model", default="smollm2", show_default=True, metavar="NAME",
+              help="smollm2 (SmolLM2-135M-Instruct, shipped offline), or a local Hugging Face model folder.")
+@click.option("--clean", required=True, help="The prompt that shows the behaviour.")
+@click.option("--corrupted", required=True, help="The same prompt, changed where the behaviour is (same token count).")
+@click.option("--answer", required=True, help="The clean run's answer (its first token is used), e.g. ' Mary'.")
+@click.option("--foil", required=True, help="The corrupted run's answer (its first token), e.g. ' John'.")
+@click.option("--preset", type=click.Choice(["attnlrp", "cp-lrp", "epsilon"]), default="attnlrp",
+              help="The rules of relevance patching.")
+@out_option()
+def patch(model: str, clean: str, corrupted: str, answer: str, foil: str, preset: str, out: Path) -> None:
+    """Activation, attribution and relevance patching of one prompt pair, metric logit[answer] - logit[foil] at the
+    last position: out/heads.png (layers x heads), out/residual.png (layers x positions), out/circuit.png (the
+    metric recovered by the top heads of each method) and out/patching.json."""
+    from relprop.viz.patching import save_circuit_curves, save_head_maps, save_residual_maps
+
+    torch.set_num_threads(min(torch.get_num_threads(), 4))  # small batches: more threads only contend
+    network, loaded = _language_model(model)
+    tokenizer: Any = loaded
+    clean_ids, corrupted_ids = _ids(tokenizer, clean, "clean prompt"), _ids(tokenizer, corrupted, "corrupted prompt")
+    if clean_ids.shape != corrupted_ids.shape:
+        raise CommandError(f"the clean prompt has {clean_ids.shape[1]} tokens and the corrupted one "
+                           f"{corrupted_ids.shape[1]}: patching needs the same number")
+    target = (int(_ids(tokenizer, answer, "answer")[0, 0]), int(_ids(tokenizer, foil, "foil")[0, 0]))
+    try:
+        pair = Patching(network, clean_ids, corrupted_ids, target)
+    except ValueError as error:  # a model that is no decoder patching can read
+        raise CommandError(str(error).removeprefix("relprop: ")) from None
+    found = {"activation": {name: pair.activation(name)[0] for name in COMPONENTS},
+             "attribution": {name: value[0] for name, value in pair.estimate(COMPONENTS, None).items()},
+             "relp": {name: value[0] for name, value in pair.estimate(COMPONENTS, composites.get(preset)).items()}}
+    m_clean, m_corrupted = (float(m[0]) for m in pair.metrics())
+    tokens = [tokenizer.decode([t]) for t in clean_ids[0].tolist()]
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if k < found["relp"]["heads"].numel()]
+    ks.append(found["relp"]["heads"].numel())
+    curves = {method: recovery(network, clean_ids, corrupted_ids, target, found[method]["heads"].unsqueeze(0), ks)[0]
+              for method in METHODS}
+    click.echo(f"metric logit[{answer!r}] - logit[{foil!r}]: clean {m_clean:.2f}, corrupted {m_corrupted:.2f} "
+               f"(relp: {preset})")
+    for method in METHODS:
+        heads = found[method]["heads"]
+        top = heads.flatten().argsort(descending=True)[:3].tolist()
+        named = ", ".join(f"L{i // heads.shape[1]}H{i % heads.shape[1]} {heads.flatten()[i]:+.2f}" for i in top)
+        click.echo(f"  {method}: top heads {named}; top {ks[min(2, len(ks) - 1)]} recover "
+                   f"{float(curves[method][min(2, len(ks) - 1)]):.0%}")
+    out.mkdir(parents=True, exist_ok=True)
+    save_head_maps({method: found[method]["heads"] for method in METHODS}, out / "heads.png")
+    save_residual_maps({method: found[method]["residual"] for method in METHODS}, tokens, out / "residual.png")
+    save_circuit_curves(ks, curves, out / "circuit.png")
+    _write_json({"clean": clean, "corrupted": corrupted, "answer": answer, "foil": foil, "preset": preset,
+                 "tokens": tokens, "metric": {"clean": m_clean, "corrupted": m_corrupted},
+                 **{name: {method: found[method][name].tolist() for method in METHODS} for name in COMPONENTS},
+                 "recovery": {"ks": ks, **{method: curves[method].tolist() for method in METHODS}}},
+                out / "patching.json")
+    click.echo(f"-> {out / 'heads.png'}, {out / 'residual.png'}, {out / 'circuit.png'}, {out / 'patching.json'}",
+               file=sys.stdout)
