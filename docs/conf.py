@@ -1,7 +1,8 @@
-"""Sphinx configuration: MyST pages and an API reference from the public names (``sphinx-build -W docs OUT``).
+"""Sphinx configuration: MyST pages, the tutorial notebooks and an API reference from the public names
+(``sphinx-build -W docs OUT``).
 
-Nothing is fetched while building (no intersphinx) and nothing is executed (the pages' code blocks run in
-``tests/test_docs.py``, not here).
+Nothing is fetched while building (no intersphinx) and nothing is executed: the pages' code blocks run in
+``tests/test_docs.py``, the notebooks in ``tests/test_notebooks.py``; the site shows the notebooks' stored outputs.
 """
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ project = "relprop"
 author = "relprop developers"
 copyright = "2026, relprop developers"
 
-extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
-source_suffix = {".md": "markdown"}
+# myst-nb reads the Markdown pages (it includes myst-parser) and the notebooks of docs/tutorials
+extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
+source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 root_doc = "index"
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+
+# the notebooks are committed with their outputs, which the site shows as they are
+nb_execution_mode = "off"
 
 # MyST: `#` headings get anchors down to level 3, so pages link to sections as page.md#section
 myst_heading_anchors = 3
@@ -33,9 +38,10 @@ napoleon_google_docstring = False
 napoleon_numpy_docstring = True
 napoleon_use_rtype = False
 
-html_theme = "alabaster"
+html_theme = "furo"
 html_title = "relprop"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["wide.css"]  # an article wide enough for the guide's 120-column code blocks
 
 
 # Docstrings in src that do not parse as reStructuredText (each one a warning, and so an error under -W). They are

@@ -74,6 +74,7 @@ def test_block_runs(path: Path, line: int, code: str, tmp_path, monkeypatch):
 SECTIONS = {
     1: "Semantics", 2: "Rules for linear maps", 3: "Op families", 4: "Composites and presets", 5: "Transformers",
     6: "Checks that hold for any correct implementation", 7: "Mechanism", 8: "DeepLift on the engine",
+    9: "The compiled tier",
 }
 #: a citation of docs/design.md by section number ("design.md section 4", "design.md, section 4")
 _CITATION = re.compile(r"design\.md,? sections? (\w+)")
@@ -166,11 +167,16 @@ def test_docstring_example_runs(test: doctest.DocTest, tmp_path, monkeypatch):
 # ---- the site ----------------------------------------------------------------------------------------------------
 
 def test_the_docs_build_with_warnings_as_errors(tmp_path):
-    """``sphinx-build -W`` on docs/: MyST pages, the API reference from the docstrings, no warning at all."""
+    """``sphinx-build -W`` on docs/: MyST pages, the tutorial notebooks with their stored outputs, the API reference
+    from the docstrings, no warning at all."""
     pytest.importorskip("sphinx", reason="sphinx is not installed: pip install -e '.[docs]' (the dev extra has it)")
-    pytest.importorskip("myst_parser", reason="myst-parser is not installed: pip install -e '.[docs]'")
+    pytest.importorskip("myst_nb", reason="myst-nb is not installed: pip install -e '.[docs]'")
+    pytest.importorskip("furo", reason="furo is not installed: pip install -e '.[docs]'")
     command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
                "-d", str(tmp_path / "doctrees"), str(DOCS), str(tmp_path / "html")]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, f"sphinx-build -W failed:\n{done.stdout}\n{done.stderr}"
     assert (tmp_path / "html" / "api.html").exists()
+    # a notebook's pictures are its stored outputs, written out as image files of the page
+    page = (tmp_path / "html" / "tutorials" / "imagenet.html").read_text(encoding="utf-8")
+    assert page.count("<img") >= 4 and "furo" in page

@@ -165,3 +165,16 @@ def test_an_explanation_picture_has_its_title_and_colour_bar_uncut(tmp_path, dra
 def test_a_blank_explanation_picture_says_so(tmp_path, drawn):
     viz.save_explanation(torch.zeros(1, 28, 28), tmp_path / "blank.png", title="blank")
     assert drawn == [[]] and (tmp_path / "blank.png").is_file()
+
+
+@pytest.mark.parametrize("prompt, generated", [(3, 1), (5, 2), (30, 3), (10, 12)])
+def test_the_generation_matrix_has_its_colour_bar_label_uncut(tmp_path, drawn, prompt, generated):
+    """The label runs along the bar: longer than a short figure is high unless wrapped to the bar."""
+    import relprop
+
+    length = prompt + generated
+    relevance = torch.randn(1, generated, length).tril(prompt - 1)  # row g: the context before token prompt + g
+    tokens = [[" token" if i % 2 else " predicting" for i in range(length)]]  # x tick labels as long as words are
+    found = relprop.Generation(torch.arange(length)[None], relevance, prompt, torch.ones(1, length), tokens)
+    path = viz.save_generation_matrix(found, tmp_path / "relevance.png")
+    assert drawn == [[]] and path.is_file()

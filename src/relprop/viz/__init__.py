@@ -384,8 +384,8 @@ def save_generation_matrix(generation: Any, path: str | Path, index: int = 0, cm
     scales = generation.scales(index).unsqueeze(1)
     shown = (rows / scales).clamp(-1, 1).numpy()
     columns = len(words) - 1  # the last generated token is predicted, never read
-    figure, axis = plt.subplots(figsize=(max(4.0, 0.28 * columns + 2), max(2.5, 0.3 * len(rows) + 1.6)),
-                                layout="constrained")
+    height = max(2.5, 0.3 * len(rows) + 1.6)
+    figure, axis = plt.subplots(figsize=(max(4.0, 0.28 * columns + 2), height), layout="constrained")
     image = axis.imshow(shown[:, :columns], cmap=colormap(cmap), vmin=-1, vmax=1, aspect="auto",
                         interpolation="nearest")
     axis.set_xticks(range(columns), [repr(w)[1:-1] for w in words[:columns]], rotation=90, fontsize=7)
@@ -394,5 +394,7 @@ def save_generation_matrix(generation: Any, path: str | Path, index: int = 0, cm
     axis.set_xlabel("context token (prompt | generated)")
     axis.set_ylabel("generated token")
     bar = figure.colorbar(image, ax=axis, shrink=0.8)
-    bar.set_label("relevance / row scale (first and predicting token aside)", fontsize=7)
+    # the label runs along the bar, which is about half as long as the figure is high: wrapped to that, it
+    # stays on the canvas however few rows there are
+    bar.set_label(_wrap("relevance / row scale (first and predicting token aside)", 0.55 * height, 7), fontsize=7)
     return _save_figure(figure, path, dpi)
