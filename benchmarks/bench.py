@@ -20,14 +20,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
-import ctypes.util
 import functools
 import importlib.util
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import relprop
+from timing import interleaved, timed, trim_heap  # noqa: F401 - llm.py and lxt_child.py time with these too
 
 PRESETS = ["epsilon", "epsilon-plus", "epsilon-plus-flat", "epsilon-alpha2-beta1", "epsilon-gamma-box"]
 ZENNIT = {"epsilon-plus": "EpsilonPlus", "epsilon-plus-flat": "EpsilonPlusFlat",
@@ -70,31 +68,6 @@ def installed(which: list[str]) -> list[str]:
             continue
         kept.append(name)
     return kept
-
-
-@functools.cache
-def trim_heap() -> Callable[[], None]:
-    """A function that hands the free memory of the C heap back to the operating system (glibc's ``malloc_trim``).
-
-    Every timed run then starts from the same allocator state, whatever the
-    method before it left behind, and faults in the fresh memory it needs.
-    """
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if not hasattr(libc, "malloc_trim"):
-        raise SystemExit("bench.py: --trim needs glibc's malloc_trim, which this C library lacks")
-    return lambda: libc.malloc_trim(0)
-
-
-def timed(device: str, run: Callable, *args, trim: bool = False) -> float:
-    """Seconds one call ``run(*args)`` takes, its GPU work included; ``trim``: :func:`trim_heap` first."""
-    synchronize = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
-    synchronize()
-    if trim:
-        trim_heap()()
-    start = time.perf_counter()
-    run(*args)
-    synchronize()
-    return time.perf_counter() - start
 
 
 def plain_gradient(model, x, target):
@@ -161,18 +134,6 @@ def methods(model, name: str, which: list[str]) -> dict[str, Callable]:
     if "captum" in which and "vgg" in name:  # captum copies relevance to both summands of a residual +
         table["captum epsilon"] = captum_method(model)
     return table
-
-
-def interleaved(table: dict[str, Callable[[], object]], rounds: int, device: str,
-                trim: bool = False) -> dict[str, float]:
-    """Median seconds of each run of ``table``, after one warm-up call each, the runs taking turns round by round."""
-    for run in table.values():
-        run()
-    times: dict[str, list[float]] = {key: [] for key in table}
-    for _ in range(rounds):
-        for key, run in table.items():
-            times[key].append(timed(device, run, trim=trim))
-    return {key: statistics.median(values) for key, values in times.items()}
 
 
 def time_all(name: str, batch: int, size: int, rounds: int, which: list[str], device: str,
@@ -586,6 +547,102 @@ def zplus_floor(model: torch.nn.Module, x: torch.Tensor, target: list[int]
                 relprop_method(model, "epsilon-plus-flat"), model, x, target))}
 
 
+#: the compiled tier's cases (``--compiled``), each timed against its reference side by side
+COMPILED_CASES = ("llama", "resnet18", "resnet50", "generation", "dataset")
+#: products each rule adds to a layer's forward pass, beyond the layer's own: the compiled floors' extra work
+EXTRA_PRODUCTS = {"epsilon-plus-flat": (1, 1), "epsilon-gamma-box": (2, 2)}
+
+
+def compiled_floor(model: torch.nn.Module, preset: str) -> torch.nn.Module:
+    """A copy of ``model`` whose convolutions also compute the forward products that ``preset``'s rules add (z+:
+    ``W+ x``; gamma: ``(W + g W+) x`` and ``(W + g W-) x``; the first layer's Flat ``1 * 1``, ZBox's ``l W+`` and
+    ``h W-``), held out of the backward pass and added to the output times 0, so that no compiler drops them:
+    the work a rule's compiled form cannot do without, less its divisions and products with the input."""
+    floor = copy.deepcopy(model)
+    convolutions = [m for m in floor.modules() if isinstance(m, torch.nn.Conv2d)]
+    first, later = EXTRA_PRODUCTS[preset]
+
+    def products(count: int) -> Callable[..., torch.Tensor]:
+        def hook(module: torch.nn.Conv2d, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+            x, weight = inputs[0].detach(), module.weight.detach()
+            for part in (weight.clamp(min=0), weight.clamp(max=0))[:count]:
+                output = output + 0 * module._conv_forward(x, weight + 0.25 * part, None)
+            return output
+        return hook
+    for index, module in enumerate(convolutions):
+        module.register_forward_hook(products(first if index == 0 else later))
+    return floor
+
+
+def print_compiled(rounds: int, device: str, dtype: torch.dtype, cases: list[str]) -> None:
+    """The compiled tier's targets: medians of interleaved rounds in the steady state, compile time apart."""
+    print("\n## The compiled tier (relprop.LRP(..., compile=True))\n\n"
+          "| case | reference | reference (ms) | compiled relprop (ms) | ratio | target | compile (s) |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
+
+    def row(case: str, runs: dict[str, Callable[[], object]], explained: str, goal: str) -> None:
+        start = time.perf_counter()
+        runs[explained]()  # the first call compiles
+        compile_time = time.perf_counter() - start
+        times = interleaved(runs, rounds, device)
+        for key, value in times.items():
+            if key != explained:
+                print(f"| {case} | {key} | {value * 1e3:.1f} | {times[explained] * 1e3:.1f} | "
+                      f"{ratio(times[explained], value)} | {goal} | {compile_time:.0f} |", flush=True)
+
+    if "llama" in cases:
+        model, ids, target, gradient = transformer_case("llama", 1, 16, device, dtype, 64, 2)
+        lrp = relprop.LRP(model, "attnlrp", compile=True)
+        compiled_model = torch.compile(model)
+
+        def compiled_gradient() -> torch.Tensor:
+            embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+            logits = compiled_model(inputs_embeds=embeds).logits
+            return torch.autograd.grad(logits, embeds, relprop.output_relevance(logits, target))[0]
+        row("Llama h64, 2 layers, 16 tokens, AttnLRP", {
+            "relprop": functools.partial(lrp.attribute, ids, target=target), "eager forward+backward": gradient,
+            "compiled forward+backward": compiled_gradient}, "relprop", "<= 1.0x eager, <= 1.2x compiled")
+    for name, batch, size, presets in (("resnet18", 2, 64, ("epsilon-plus-flat",)),
+                                       ("resnet50", 1, 224, ("epsilon", "epsilon-plus-flat", "epsilon-gamma-box"))):
+        if name not in cases:
+            continue
+        model, x, target = setup(name, batch, size, device, dtype)
+        for preset in presets:
+            composite = relprop.composites.get(preset, **(BOUNDS if preset == "epsilon-gamma-box" else {}))
+            lrp = relprop.LRP(model, composite, compile=True)
+            runs = {"relprop": functools.partial(lrp.attribute, x, target=target),
+                    "eager gradient": functools.partial(plain_gradient, model, x, target)}
+            if preset in EXTRA_PRODUCTS:
+                runs["compiled floor"] = functools.partial(plain_gradient, torch.compile(compiled_floor(model, preset)),
+                                                           x, target)
+            goal = "<= 1.05x eager gradient" if preset == "epsilon" else "<= 1.1x compiled floor"
+            row(f"{name} {size} px, batch {batch}, {preset}", runs, "relprop", goal)
+    if "generation" in cases:
+        import llm
+
+        model, tokenizer = llm.load_smollm2()
+        model = model.to(device, dtype)
+        for tokens in (10, 12):  # the second prompt of another length must not recompile
+            sequence = llm.generated_sequence(model, tokenizer, tokens, 16)
+            runs = dict(llm.generation_runs(model, sequence, tokens))
+            runs["relprop eager"] = runs.pop("attnlrp")
+            runs["relprop compiled"] = functools.partial(relprop.explain_generation, model, sequence[:, :tokens],
+                                                         continuation=sequence[:, tokens:], compile=True)
+            row(f"explain_generation, SmolLM2, {tokens} + 16 tokens", runs, "relprop compiled",
+                "<= 1.2x forward + 16 backward")
+    if "dataset" in cases:
+        images = torch.utils.data.TensorDataset(torch.randn(2048, 3, 64, 64, dtype=dtype))
+        model = setup("resnet18", 1, 64, device, dtype)[0]
+        for compiled in (False, True):
+            with tempfile.TemporaryDirectory() as folder:
+                start = time.perf_counter()
+                relprop.explain_dataset(model, images, folder, "epsilon-plus-flat", batch_size=8, progress=False,
+                                        compile=compiled)
+                seconds = time.perf_counter() - start
+            print(f"| explain_dataset, ResNet18 64 px, batch 8, {'compiled' if compiled else 'eager'} | "
+                  f"{len(images) / seconds:.0f} images/s, compile time included | | | | >= 1.5x eager | |", flush=True)
+
+
 def print_lxt(args: argparse.Namespace, dtype: torch.dtype) -> None:
     print(f"\n## AttnLRP: relprop / LXT ({args.lxt_tokens} tokens, batch 1, interleaved in LXT's own process)\n")
     print("| model | forward+backward (ms) | relprop (ms) | LXT (ms) | relprop / LXT | LXT / forward+backward "
@@ -624,6 +681,8 @@ def main() -> None:
                         help="also where the fixed cost per op goes: cProfile shares of parts of relprop's work")
     parser.add_argument("--targets", action="store_true",
                         help="also the speed targets: ResNet18 64 px batch 2 EpsilonPlusFlat, small Llamas AttnLRP")
+    parser.add_argument("--compiled", nargs="*", choices=COMPILED_CASES, default=None,
+                        help="also the compiled tier's targets side by side (all of them without names)")
     parser.add_argument("--lxt-python", default=sys.executable,
                         help="the Python that has lxt installed (with --with lxt)")
     parser.add_argument("--lxt-models", nargs="+", default=["llama:256:4", "bert:256:4", "llama:1024:4",
@@ -664,6 +723,8 @@ def main() -> None:
         print_profile(20, args.device, dtype)
     if args.targets:
         print_targets(args.rounds, args.device, dtype)
+    if args.compiled is not None:
+        print_compiled(args.rounds, args.device, dtype, args.compiled or list(COMPILED_CASES))
     if "lxt" in which:
         print_lxt(args, dtype)
     for name in args.models:

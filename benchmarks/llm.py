@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-import bench
+import timing
 
 import relprop
 from relprop.rules import products
@@ -144,7 +144,7 @@ def generation_cost(model: Any, tokenizer: Any, tokens: int, generated: int, rou
     """
     if lxt_python is None:
         sequence = generated_sequence(model, tokenizer, tokens, generated)
-        found = bench.interleaved(dict(generation_runs(model, sequence, tokens)), rounds, "cpu")
+        found = timing.interleaved(dict(generation_runs(model, sequence, tokens)), rounds, "cpu")
         print(f"| {tokens} + {generated} | {found['gradient']:.2f} | {found['attnlrp']:.2f} | "
               f"{found['attnlrp'] / found['gradient']:.2f} |", flush=True)
         return

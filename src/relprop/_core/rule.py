@@ -4,6 +4,7 @@ The other rules live in :mod:`relprop.rules`, which exports these too.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
@@ -28,6 +29,25 @@ class Reads(NamedTuple):
     native: bool = False
     #: ... with these inputs held constant (detached): gates, which get no relevance (one flag per input)
     held: tuple[bool, ...] = ()
+
+
+class Scaled(NamedTuple):
+    """A rule's gradient form as the op's own VJP rescaled (:meth:`Rule.scaled`): traceable, for a compiled pass.
+
+    ``G_x = share_x * VJP_x(G * output(z))``, or with ``ratio`` ``G_x = G * out / x``. A traced pass writes it as
+    detach-and-scale: the op's value unchanged, its gradient that (``relprop.engine.compiled``).
+    """
+
+    #: the factor on ``G`` at the output, from the op's output ``z`` (``z / (z + eps sign z)``); None: 1
+    output: Callable[[Tensor], Tensor] | None = None
+    #: each activation input's share of its VJP, in the order of ``call.inputs`` (0: held, a gate); (): all 1
+    shares: tuple[float, ...] = ()
+    #: ``G_x = G * out / x``: the op's ratio of output to input (Pass on an op that does not scale its input)
+    ratio: bool = False
+    #: a parametric rule's modified products instead: ``modified(evaluate, x, weight, bias, z, probe)`` is a
+    #: tensor whose VJP at ``x`` (and at ``probe``, ones that stand in for the input of a rule that fills zeros)
+    #: is the rule's, ``evaluate(x, weight, bias)`` the op, ``z`` its output (:class:`~relprop.rules.BasicRule`)
+    modified: Callable[..., Tensor] | None = None
 
 #: the view of an op call that a rule reads (:mod:`relprop.rules`)
 C_contra = TypeVar("C_contra", bound=Call, contravariant=True)
@@ -129,6 +149,13 @@ class Rule(Generic[C_contra]):
         """
         raise NotImplementedError
 
+    def scaled(self, call: C_contra) -> Scaled | None:
+        """:meth:`gradient` as the op's VJP rescaled (:class:`Scaled`), for a compiled pass; None where it is not.
+
+        Only asked where :meth:`gradient_reads` gives a gradient form that is not ``native``.
+        """
+        return None
+
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({params})"
@@ -166,6 +193,9 @@ class Pass(Rule[Call]):
             return call.vjp(grad)
         (x,) = call.inputs
         return (per_unit(sum_to(grad * call.output, x.shape), x, owned=True),)
+
+    def scaled(self, call: Call) -> Scaled:
+        return Scaled() if _scales(call) else Scaled(ratio=True)
 
     def conserves(self, call: Call) -> bool:
         return True

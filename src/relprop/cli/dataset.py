@@ -97,10 +97,11 @@ def _dataset_target(_: click.Context, __: click.Parameter, value: str) -> int | 
 @click.option("--downsample", type=click.IntRange(min=1), default=1,
               help="Store relevance summed over channels and average-pooled by this factor.")
 @click.option("--overwrite", is_flag=True, help="Start afresh instead of resuming a run in --out.")
+@click.option("--compile", "compiled", is_flag=True, help="Explain through one torch.compile program per batch shape.")
 def explain_dataset_command(folder: str, model: str, weights: str | None, random_weights: bool, preset: str,
                             size: int, channels: int, normalize: str | None, whole: bool | None, out: Path,
                             target: int | str, batch_size: int, shard_size: int, downsample: int,
-                            overwrite: bool) -> None:
+                            overwrite: bool, compiled: bool) -> None:
     """Explain the images below FOLDER into resumable shards (also under torchrun).
 
     Images are taken in sorted path order; files.json lists them (sample id = position).
@@ -124,7 +125,7 @@ def explain_dataset_command(folder: str, model: str, weights: str | None, random
     try:
         index = explain_dataset(network, dataset, out, composite=_composite(preset, normalize, channels),
                                 batch_size=batch_size, shard_size=shard_size, target=target, reduce=reduce,
-                                overwrite=overwrite)
+                                overwrite=overwrite, compile=compiled)
     except RunMismatch as error:
         raise CommandError(f"{str(error).removeprefix('relprop: ')} (on the command line: --overwrite)") from None
     _write_json(dataset.paths, out / "files.json")

@@ -65,6 +65,8 @@ def demo(out: Path, examples: int, evaluated: int) -> None:
 @click.option("--figure", is_flag=True, help="Also write explain.png: every image and its heatmap, with the "
                                              "predicted class and a colour bar (one row per image).")
 @click.option("--strict", is_flag=True, help="Fail on ops without an LRP rule instead of warning.")
+@click.option("--compile", "compiled", is_flag=True, help="Explain through one torch.compile program (pays from "
+                                                        "a few batches of one shape on; see docs/design.md).")
 @click.option("--text", default=None, help="Explain this text instead of images; --model is then a local Hugging "
                                            "Face model folder (needs pip install 'relprop[text]').")
 @click.option("--sample-photos", is_flag=True, help="Also explain the photos scikit-image ships (a cat, coffee, "
@@ -72,7 +74,7 @@ def demo(out: Path, examples: int, evaluated: int) -> None:
 def explain(images: tuple[str, ...], model: str, weights: str | None, random_weights: bool, preset: str, size: int,
             channels: int, normalize: str | None, whole: bool | None, out: Path, target: int | None, batch_size: int,
             cmap: str, clip: float | None, scale: int, figure: bool, strict: bool, text: str | None,
-            sample_photos: bool) -> None:
+            sample_photos: bool, compiled: bool) -> None:
     """Write a relevance heatmap and an overlay per image, and explain.json.
 
     Each picture has a title (the class explained, and the options that made it) and a
@@ -96,7 +98,7 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
     normalize = normalize or NAMED_NORMALIZATION.get(model)
     names_of = _class_names(model)
     composite, preset = _model_composite(model, preset, normalize, channels)
-    lrp = LRP(network, composite, strict=strict)
+    lrp = LRP(network, composite, strict=strict, compile=compiled)
     names = _output_names(paths)
     options = _options_text(preset, clip, normalize, channels, whole)
     summary: list[dict[str, Any]] = []

@@ -7,7 +7,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar, cast
 
 import torch
@@ -20,25 +20,12 @@ from relprop.engine.plan import Entry, PathChanged, Plans, Recording, Replay, pa
 from relprop.engine.session import GradientFormUnavailable, Session
 from relprop.methods._inputs import Inputs, Target, as_tuple, forward_arguments
 from relprop.methods.adapters import hold_selective_parameters
+from relprop.methods.compiled import Compiled
 from relprop.methods.targets import convergence_delta, model_logits, output_relevance
 
 __all__ = ["Attribution", "LRP", "ForwardPass"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _eager(method: _F) -> _F:
@@ -133,6 +120,10 @@ class LRP(Attribution):
         Check every op's relevance as it passes: NaN or infinite relevance, and
         rules that should conserve relevance but create some, are reported with
         the op's module path (:class:`~relprop.ConservationWarning`).
+    compile : bool or str
+        Explain through one ``torch.compile`` program per input signature, each op's rule decided once per
+        compilation (design notes, section 9; ``"aot_eager"`` compiles without code generation). What it cannot
+        compile runs under interception, with one :class:`~relprop.methods.compiled.CompileFallbackWarning`.
 
     Notes
     -----
@@ -168,7 +159,7 @@ class LRP(Attribution):
     session_class: type[Session] = Session
 
     def __init__(self, model: nn.Module, composite: composites.Composite | str | None = None, strict: bool = False,
-                 guard: bool = True):
+                 guard: bool = True, compile: bool | str = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"relprop: model must be a torch.nn.Module, got {type(model).__name__}")
         # compiled code runs its ops where no rule can reach them: explain the module it was compiled from
@@ -183,6 +174,9 @@ class LRP(Attribution):
         self.guard = guard
         self.replay = True  # see the class's attributes
         self._plans = Plans()
+        #: the compiled tier (``compile=True``), None under interception alone
+        self.compiled = (Compiled(self.model, self.composite, "inductor" if compile is True else compile)
+                         if compile else None)
 
     @contextmanager
     def context(self) -> Iterator[Session]:
@@ -256,6 +250,12 @@ class LRP(Attribution):
         extra, keywords = forward_arguments(additional_forward_args)
         leaves = tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs)
         tokens = tuple(x for x in leaves if not x.is_floating_point())
+        if self.compiled is not None and taps is None and audit is None and self.session_class is Session:
+            found = self.compiled.forward(leaves, extra, keywords)  # None: it runs under interception
+            if found is not None:  # each input's probe collects relevance (methods.compiled)
+                guard = cast(Session, self.compiled.guard) if self.guard else None  # its checks of the pass
+                return ForwardPass(leaves, model_logits(found[0]), {i: [p] for i, p in enumerate(found[1])}, reusable,
+                                   guard, True, self.compiled.backward)
         # relevance per unit of activation where the composite's rules are modified gradients (AttnLRP, CP-LRP),
         # and nothing reads the relevance of single ops (taps, the audit)
         gradient_form = (self.composite.gradient_form and taps is None and audit is None
@@ -384,7 +384,8 @@ class ForwardPass:
     """
 
     def __init__(self, inputs: tuple[Tensor, ...], logits: Tensor, embeddings: dict[int, list[Tensor]],
-                 reusable: bool = False, session: Session | None = None, gradient_form: bool = False):
+                 reusable: bool = False, session: Session | None = None, gradient_form: bool = False,
+                 backward: Callable[[], AbstractContextManager] = nullcontext):
         self.inputs = inputs
         self.logits = logits
         #: whether the pass carries relevance per unit of activation (``Session(gradient_form=True)``)
@@ -394,6 +395,7 @@ class ForwardPass:
         self._embeddings = embeddings
         #: the session that recorded the pass, if its guard checks the relevance's account (Session.check_pass)
         self._session = session
+        self._backward = backward  # the context of its backward passes
 
     @_eager
     def relevance(self, seed: Tensor) -> tuple[Tensor, ...]:
@@ -414,9 +416,10 @@ class ForwardPass:
             self._session = None
         if session is not None and (explained or embedded):
             session.defer_check()  # checked below with the seed and the inputs' relevance, in one read
-        found = (torch.autograd.grad(self.logits, explained + embedded, self._carried(seed, owned), allow_unused=True,
-                                     retain_graph=self.reusable, create_graph=create_graph)
-                 if explained or embedded else ())
+        with self._backward():
+            found = (torch.autograd.grad(self.logits, explained + embedded, self._carried(seed, owned),
+                                         allow_unused=True, retain_graph=self.reusable, create_graph=create_graph)
+                     if explained or embedded else ())
         if self.gradient_form:  # per unit of each leaf: its relevance is the leaf times that
             found = tuple(None if g is None else g * leaf.detach() for g, leaf in zip(found, explained + embedded))
         if session is not None and (explained or embedded):
@@ -427,7 +430,10 @@ class ForwardPass:
         for index, x in enumerate(self.inputs):
             if x.requires_grad:
                 grad = by_leaf[id(x)]
-                relevance.append(grad if grad is not None else torch.zeros_like(x))
+                grad = grad if grad is not None else torch.zeros_like(x)
+                for leaf in self._embeddings.get(index, []):  # what the compiled tier's probe collected
+                    grad = grad if by_leaf[id(leaf)] is None else grad + by_leaf[id(leaf)]
+                relevance.append(grad)
                 continue
             tokens = torch.zeros(x.shape, dtype=seed.dtype, device=x.device)
             for leaf in self._embeddings.get(index, []):

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from relprop._core.contract import ParametricView
-from relprop._core.rule import Rule
+from relprop._core.rule import Rule, Scaled
 from relprop.rules.epsilon import PARAMETRIC_KINDS
 from relprop.rules.kernels import Kernel, fused
 from relprop.rules.terms import (
@@ -154,6 +154,34 @@ class BasicRule(Rule[ParametricView]):
         total = inputs[0] * grads[0]
         for modified, grad in zip(inputs[1:], grads[1:]):
             total = total + modified * grad
+        return total
+
+    def scaled(self, call: ParametricView) -> Scaled | None:
+        """The terms as one traced product (:meth:`traced`), where the reducer is the default."""
+        if self._reducer is not None or (self.zero_bias and self.needs_output):
+            return None
+        return Scaled(modified=self.traced)
+
+    def traced(self, evaluate: Callable[[Tensor, Tensor, Tensor | None], Tensor], x: Tensor, weight: Tensor,
+               bias: Tensor | None, z: Tensor, probe: Tensor | None, nonnegative: bool = False) -> Tensor:
+        """``sum_t z_t * (z * m_t)``, ``m_t`` the mapper's share of term ``t`` per unit of relevance (held), so that
+        the VJP of ``G`` at ``x`` times ``x`` is the rule's relevance for ``R = z * G``; with ``probe`` (ones) the
+        modified inputs are the probe's and the VJP at the probe is the relevance (a rule that fills zeros).
+        ``nonnegative``: ``x >= 0`` (a ReLU's output), so that its negative part's terms, without bias, are 0."""
+        outputs: list[Tensor | None] = []
+        for term in self._terms:
+            term_bias = term.param(bias) if term.bias and not self.zero_bias and bias is not None else None
+            if nonnegative and term.input is _negative and term_bias is None:
+                outputs.append(None)
+                continue
+            modified = term.input(x) if probe is None else term.input(x.detach()) * probe
+            outputs.append(evaluate(modified, term.param(weight), term_bias))
+        held = [torch.zeros_like(z) if out is None else out.detach() for out in outputs]
+        shares = self._gradient_mapper(torch.ones_like(z), held, z)
+        total = torch.zeros_like(z)
+        for out, share in zip(outputs, shares):
+            if out is not None:
+                total = total + out * (z * share).detach()
         return total
 
     def _output(self, call: ParametricView) -> Tensor | None:

@@ -1,6 +1,7 @@
 """Rules of products, softmax and fused attention (AttnLRP, CP-LRP)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -8,7 +9,7 @@ from torch import Tensor
 
 from relprop._core.contract import AttentionView, Call, ProductView, SoftmaxView, is_attention, is_product
 from relprop._core.kinds import GATE_TAGS
-from relprop._core.rule import Reads, Rule
+from relprop._core.rule import Reads, Rule, Scaled
 from relprop._core.sdpa import attention_weights, head_groups, repeat_heads, softmax_scale
 from relprop._core.tensors import sum_to
 from relprop.rules.stabilizers import inverse_denominator, per_unit_ratio
@@ -59,6 +60,17 @@ def attention_gradient(call: AttentionView, grad: Tensor, values_only: bool) -> 
         return (None,) * len(call.roles)
     return tuple(g.mul_(shares[role]) if role in shares and g is not None else None
                  for role, g in zip(call.roles, call.vjp(grad)))
+
+
+def _shares_of(call: AttentionView, values_only: bool) -> tuple[float, ...]:
+    """Each activation argument's share of a fused attention's VJP (:func:`attention_gradient`), 0 for none."""
+    shares = _attention_shares(call, values_only)
+    return tuple(shares.get(role, 0.0) for role in call.roles)
+
+
+def _ratio(epsilon: float) -> functools.partial | None:
+    """``z / (z + eps sign z)`` as a function of ``z`` (a :class:`Scaled` output factor); None for LRP-0."""
+    return functools.partial(per_unit_ratio, epsilon=epsilon) if epsilon != 0 else None
 
 
 def _stabilised(call: Call, grad: Tensor, epsilon: float) -> Tensor:
@@ -145,6 +157,11 @@ class UniformProduct(Rule[Call]):
             return attention_gradient(call, grad, values_only=False)
         k = len(call.inputs)
         return tuple(None if c is None else c / k for c in call.vjp(grad))
+
+    def scaled(self, call: Call) -> Scaled:
+        k = len(call.inputs)
+        shares = _shares_of(call, values_only=False) if is_attention(call) else (1 / k,) * k
+        return Scaled(output=_ratio(self.epsilon), shares=shares)
 
 
 class SignalTakesAll(Rule[Call]):
@@ -250,6 +267,14 @@ class SignalTakesAll(Rule[Call]):
             return attention_gradient(call, grad, values_only=True)
         assert is_product(call)  # accepts() took only products and attention
         return tuple(None if gate or c is None else c for c, gate in zip(call.vjp(grad), self.gates(call)))
+
+    def scaled(self, call: Call) -> Scaled:
+        if is_attention(call):
+            shares = _shares_of(call, values_only=True)
+        else:
+            assert is_product(call)  # accepts() took only products and attention
+            shares = tuple(0.0 if gate else 1.0 for gate in self.gates(call))
+        return Scaled(output=_ratio(self.epsilon) if self.prepares_on(call) else None, shares=shares)
 
 
 class Softmax(Rule[SoftmaxView]):

@@ -366,7 +366,7 @@ def read_index(out: str | Path) -> list[dict]:
 def explain_dataset(model: nn.Module, dataset: Any, out: str | Path, composite: Any = None, batch_size: int = 32,
                     shard_size: int = 256, target: str | int = "prediction",
                     reduce: Callable[[Tensor], Tensor] | None = None, progress: bool = True,
-                    overwrite: bool = False, sample_ids: Sequence | None = None) -> Path:
+                    overwrite: bool = False, sample_ids: Sequence | None = None, compile: bool | str = False) -> Path:
     """Explain every sample of ``dataset`` and write the relevance to sharded files under ``out``.
 
     Parameters
@@ -381,8 +381,8 @@ def explain_dataset(model: nn.Module, dataset: Any, out: str | Path, composite: 
         ``TensorDataset(x, y)`` gives; the label is used only with
         ``target="label"``. Of a DataLoader its dataset is used.
     out : folder
-    composite :
-        As for :class:`relprop.LRP`.
+    composite, compile :
+        As for :class:`relprop.LRP` (``compile=True``: its compiled tier, compiled once for all batches of a shape).
     batch_size, shard_size : int
         Samples per attribution and per file (a multiple of ``batch_size`` works best).
     target : ``"prediction"``, ``"label"`` or a class index
@@ -417,7 +417,7 @@ def explain_dataset(model: nn.Module, dataset: Any, out: str | Path, composite: 
     with _local(model) as local:
         parts = fingerprint(local, dataset, composite, target, sample_ids, kind="explain", reduce=reduce,
                             shard_size=shard_size)
-        lrp = LRP(local, composite)
+        lrp = LRP(local, composite, compile=compile)
         device = next(local.parameters(), torch.empty(0)).device
 
         def work(ids: range, tick: Callable[[int], None]) -> dict[str, Tensor]:

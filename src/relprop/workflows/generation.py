@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import html
 import json
+import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,9 +85,64 @@ class Generation:
         scales = self.scales(index).tolist()
         prompt = self.prompt_length - start
         data = {"rows": [[round(v, 6) for v in row.tolist()] for row in rows], "scales": scales, "prompt": prompt}
-        spans = "".join(f'<span class="t{" gen" if i >= prompt else ""}" data-i="{i}">'
-                        f"{html.escape(word)}</span>" for i, word in enumerate(words[start:]))
+        spans = "".join(_span(word, i, i >= prompt) for i, word in enumerate(words[start:]))
         return _PAGE.replace("__SPANS__", spans).replace("__DATA__", json.dumps(data))
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: every row at once, without a script (a notebook shows it as it was saved).
+
+        One line per generated token (bold, boxed) after its context, each context token coloured as :meth:`html`
+        colours it on hover: its relevance for that token over the row's scale (:meth:`scales`).
+        """
+        parts = ['<div style="font-family: monospace; line-height: 1.9">',
+                 '<p style="font-family: sans-serif; font-size: 90%; color: #555">Each line: a generated token '
+                 "(boxed) after the context, coloured by its relevance for that token, red for it, blue against "
+                 "it, on the line's scale (<code>Generation.scales</code>: the first token and the one before "
+                 "the box, left out of it, may saturate); hover for the values. "
+                 "<code>Generation.html()</code> writes the same as an interactive page.</p>"]
+        for index in range(self.sequences.shape[0]):
+            if self.sequences.shape[0] > 1:
+                parts.append(f'<p style="font-family: sans-serif">sequence {index}</p>')
+            start = int((~self.attention_mask[index].bool()).sum())  # left padding
+            words = self.tokens[index] if self.tokens is not None else [str(t) for t in self.sequences[index].tolist()]
+            words = words[start:]
+            prompt = self.prompt_length - start
+            for g, (row, scale) in enumerate(zip(self.relevance[index][:, start:].double().tolist(),
+                                                 self.scales(index).tolist())):
+                at = prompt + g
+                spans = "".join(f'<span style="background: {_colour(value / scale)}; margin-right: 1px" '
+                                f'title="relevance {value:.3g}">{html.escape(_visible(word))}</span>'
+                                for word, value in zip(words[:at], row[:at]))
+                parts.append(f'<div>{spans}<b style="outline: 1px solid black">'
+                             f"{html.escape(_visible(words[at]))}</b></div>")
+        return "".join(parts) + "</div>"
+
+
+def _span(word: str, index: int, generated: bool) -> str:
+    """One token of the page. A token of whitespace alone shows as marks (``↵`` new line, ``⇥`` tab, ``␣``
+    space; ``∅`` for an empty one) followed by its line breaks: as text it would have no area to hover over
+    or to show its colour on."""
+    classes = "t gen" if generated else "t"
+    if word.strip():
+        return f'<span class="{classes}" data-i="{index}">{html.escape(word)}</span>'
+    word = word.replace("\r\n", "\n")
+    marks = "".join(_MARKS.get(character, "\u2423") for character in word) or "\u2205"
+    return f'<span class="{classes} ws" data-i="{index}">{marks}</span>' + "<br>" * word.count("\n")
+
+
+_MARKS = {"\n": "\u21b5", "\r": "\u21b5", "\t": "\u21e5"}
+
+
+def _colour(value: float) -> str:
+    """The page's colour of a relevance over its row's scale: white at 0, red at +1, blue at -1 (clipped)."""
+    level = math.floor(255 * (1 - min(1.0, abs(value))) + 0.5)  # rounded as the page's script rounds
+    return f"rgb(255,{level},{level})" if value >= 0 else f"rgb({level},{level},255)"
+
+
+def _visible(word: str) -> str:
+    """A token on one line: line breaks and tabs as the page's marks, a token of spaces alone as ``␣``."""
+    shown = "".join(_MARKS.get(character, character) for character in word.replace("\r\n", "\n"))
+    return shown if shown.strip() else "\u2423" * len(shown) or "\u2205"
 
 
 def _scale(row: Tensor) -> float:
@@ -102,12 +159,14 @@ body { font-family: sans-serif; max-width: 60em; margin: 2em auto; line-height: 
 .gen { text-decoration: underline dotted; cursor: pointer; }
 .gen.on { outline: 2px solid black; }
 .sink { border-bottom: 3px double grey; }
+.ws { color: grey; }
 #note { color: #555; font-size: 90%; line-height: 1.4; }
 </style></head><body>
 <p id="note">Hover over (or click) an underlined, generated token: the text before it is coloured by its
 relevance for that token, red for evidence for it, blue against it, on the scale of the largest relevance
 between the first token and the one before the hovered token (those two, double underlined, often hold much
-of it: their colours saturate, their values show on hover).</p>
+of it: their colours saturate, their values show on hover). Tokens of whitespace alone show as grey marks:
+&#8629; a new line, &#9251; a space, &#8677; a tab.</p>
 <div id="text">__SPANS__</div>
 <script>
 const data = __DATA__;
@@ -152,7 +211,7 @@ def _as_ids(value: Any, tokenizer: Any, name: str) -> Tensor:
 
 def explain_generation(model: nn.Module, input_ids: Tensor | str, max_new_tokens: int | None = None,
                        continuation: Tensor | str | None = None, composite: composites.Composite | str = "attnlrp",
-                       attention_mask: Tensor | None = None, tokenizer: Any = None,
+                       attention_mask: Tensor | None = None, tokenizer: Any = None, compile: bool | str = False,
                        **generate_kwargs: Any) -> Generation:
     """The relevance of the context for every token a causal language model generates.
 
@@ -174,6 +233,8 @@ def explain_generation(model: nn.Module, input_ids: Tensor | str, max_new_tokens
         ``(B, T)``: 1 for prompt tokens, 0 for left padding.
     tokenizer : optional
         A Hugging Face tokenizer: text prompts, and :attr:`Generation.tokens`.
+    compile : bool or str
+        Explain through the compiled tier (``relprop.LRP(..., compile=...)``); not passed to ``generate``.
     **generate_kwargs
         Passed to ``model.generate``.
 
@@ -224,7 +285,7 @@ def explain_generation(model: nn.Module, input_ids: Tensor | str, max_new_tokens
     full_mask = torch.cat([mask, torch.ones(batch, generated, dtype=mask.dtype, device=mask.device)], 1)
     relevance = torch.zeros(batch, generated, sequences.shape[1], dtype=torch.float32)
     if generated:
-        relevance = _relevance(model, composite, sequences, full_mask, length)
+        relevance = _relevance(_explainer(model, composite, compile), sequences, full_mask, length)
     tokens = None
     if tokenizer is not None:
         tokens = [tokenizer.convert_ids_to_tokens(row) for row in sequences.tolist()]
@@ -232,14 +293,28 @@ def explain_generation(model: nn.Module, input_ids: Tensor | str, max_new_tokens
     return Generation(sequences, relevance, length, full_mask, tokens)
 
 
-def _relevance(model: nn.Module, composite: composites.Composite | str, sequences: Tensor, mask: Tensor,
-               length: int) -> Tensor:
+#: per model, its compiled explainers by composite: later generations reuse their programs (and dynamic shapes)
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, dict[Any, LRP]] = weakref.WeakKeyDictionary()
+
+
+def _explainer(model: nn.Module, composite: composites.Composite | str, compile: bool | str) -> LRP:
+    """The explainer of a generation; with ``compile``, the one kept for this model and composite (and compiler)."""
+    if not compile:
+        return LRP(model, composite)
+    kept = _COMPILED.setdefault(model, {})
+    key = (composite, compile)
+    if key not in kept:
+        kept[key] = LRP(model, composite, compile=compile)
+    return kept[key]
+
+
+def _relevance(lrp: LRP, sequences: Tensor, mask: Tensor, length: int) -> Tensor:
     """``(B, G, T + G)``: one recorded pass over all but the last token, one seed per generated token."""
     inputs = sequences[:, :-1]
     attention = mask[:, :-1]
     # the positions generate() used: counted from the first token of each (left-padded) prompt
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    explained = LRP(model, composite).record(inputs, {"attention_mask": attention, "position_ids": positions})
+    explained = lrp.record(inputs, {"attention_mask": attention, "position_ids": positions})
     logits = explained.logits
     batch, generated = sequences.shape[0], sequences.shape[1] - length
     rows = torch.arange(batch, device=logits.device)
