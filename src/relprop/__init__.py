@@ -35,6 +35,7 @@ from relprop.methods import (
                              DeepLiftShap,
                              LayerDeepLift,
                              LayerLRP,
+                             NeuronLRP,
                              ModuleRelevance,
                              audit,
                              convergence_delta,
@@ -42,14 +43,18 @@ from relprop.methods import (
                              module_relevance,
                              output_relevance,
 )
+from relprop.methods.compiled import CompileFallbackWarning
 from relprop.workflows.dataset import explain_dataset
 from relprop.workflows.generation import Generation, explain_generation
+from relprop.workflows.patching import patching
 
 __all__ = [
-    "LRP", "LayerLRP", "Contrastive", "explain_dataset", "module_relevance", "ModuleRelevance", "audit", "Audit",
+    "LRP", "LayerLRP", "NeuronLRP", "Contrastive", "explain_dataset", "module_relevance", "ModuleRelevance", "audit",
+    "Audit",
     "Composite", "composites", "rules", "methods", "Attribution", "output_relevance", "convergence_delta",
     "model_logits",
     "RuleError", "UnsupportedOpError", "UnhandledOpWarning", "ConservationWarning", "BiLRP", "DeepLift",
-    "DeepLiftShap", "LayerDeepLift", "ops", "explain_generation", "Generation",
+    "DeepLiftShap", "LayerDeepLift", "ops", "explain_generation", "Generation", "patching",
+    "CompileFallbackWarning",
 ]
 __version__ = "0.1.0"
