@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from relprop._core.errors import ConservationWarning
+from relprop._core.modules import evaluation
 from relprop.engine.compiled import CannotCompile, Key, decide, rewrite
 
 #: the compilers the tier hands its rewritten graph to: Inductor, or AOT autograd without code generation
@@ -116,21 +117,16 @@ class Compiled:
             self._explained.stamp = str(int(self._explained.stamp) + 1)
             self._key = None
         self._current, self._ran = (leaves, probes), False
-        training = [module for module in self.model.modules() if module.training]
-        if training:  # as interception explains it; Dynamo guards the flags
-            warnings.warn("relprop: the model is in training mode; it is explained in eval mode (dropout off, "
-                          "BatchNorm running statistics) and put back afterwards", stacklevel=4)
-        try:
-            for module in training:
-                module.training = False
-            output, _ = self._program(self._explained, leaves, probes, extra, keywords)
-            reason = None if self._ran else "Dynamo ran the forward pass without the compiled program"
-        except Exception as error:  # noqa: BLE001 - any failure to trace or compile falls back
-            reason = _reason(error)
-        finally:
-            self._current = ((), ())
-            for module in training:
-                module.training = True
+        # in eval mode, as interception explains it (Dynamo guards the flags); the warning names the caller's caller
+        with evaluation(self.model, "relprop: the model is in training mode; it is explained in eval mode (dropout "
+                        "off, BatchNorm running statistics) and put back afterwards", stacklevel=6):
+            try:
+                output, _ = self._program(self._explained, leaves, probes, extra, keywords)
+                reason = None if self._ran else "Dynamo ran the forward pass without the compiled program"
+            except Exception as error:  # noqa: BLE001 - any failure to trace or compile falls back
+                reason = _reason(error)
+            finally:
+                self._current = ((), ())
         self.fallback = reason
         if reason is None:
             return output, probes
