@@ -558,7 +558,7 @@ def compiled_floor(model: torch.nn.Module, preset: str) -> torch.nn.Module:
     ``W+ x``; gamma: ``(W + g W+) x`` and ``(W + g W-) x``; the first layer's Flat ``1 * 1``, ZBox's ``l W+`` and
     ``h W-``), held out of the backward pass and added to the output times 0, so that no compiler drops them:
     the work a rule's compiled form cannot do without, less its divisions and products with the input."""
-    floor = copy.deepcopy(model)
+    floor = copy.deepcopy(model).requires_grad_(False)  # no weight gradients: relevance needs none
     convolutions = [m for m in floor.modules() if isinstance(m, torch.nn.Conv2d)]
     first, later = EXTRA_PRODUCTS[preset]
 
@@ -575,7 +575,12 @@ def compiled_floor(model: torch.nn.Module, preset: str) -> torch.nn.Module:
 
 
 def print_compiled(rounds: int, device: str, dtype: torch.dtype, cases: list[str]) -> None:
-    """The compiled tier's targets: medians of interleaved rounds in the steady state, compile time apart."""
+    """The compiled tier's targets: medians of interleaved rounds in the steady state, compile time apart.
+
+    The compiled references are compiled as the tier compiles (the tensors' own layout, no weight gradients)."""
+    import torch._inductor.config
+
+    torch._inductor.config.layout_optimization = False
     print("\n## The compiled tier (relprop.LRP(..., compile=True))\n\n"
           "| case | reference | reference (ms) | compiled relprop (ms) | ratio | target | compile (s) |\n"
           "| --- | --- | --- | --- | --- | --- | --- |")
@@ -593,7 +598,7 @@ def print_compiled(rounds: int, device: str, dtype: torch.dtype, cases: list[str
     if "llama" in cases:
         model, ids, target, gradient = transformer_case("llama", 1, 16, device, dtype, 64, 2)
         lrp = relprop.LRP(model, "attnlrp", compile=True)
-        compiled_model = torch.compile(model)
+        compiled_model = torch.compile(copy.deepcopy(model).requires_grad_(False))
 
         def compiled_gradient() -> torch.Tensor:
             embeds = model.get_input_embeddings()(ids).detach().requires_grad_()

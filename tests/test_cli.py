@@ -22,8 +22,8 @@ SOURCE = Path(relprop.__file__).parents[1]
 MNIST = ("--model", "cli_factory:small_cnn", "--size", 28, "--channels", 1)
 
 
-def relprop_run(*args, cwd, path=(TESTS,)):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (SOURCE, *path)))}
+def relprop_run(*args, cwd, path=(TESTS,), env=()):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (SOURCE, *path))), **dict(env)}
     return subprocess.run([str(COMMAND), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
                           timeout=1800)
 
@@ -161,6 +161,68 @@ def test_explain_dataset_writes_shards_resumes_and_refuses_another_run(tmp_path)
     fresh = relprop_run(*run, "--overwrite", cwd=tmp_path)
     assert fresh.returncode == 0, fresh.stderr
     assert load_shard(tmp_path / "shards" / "shard-000000.safetensors")["relevance"].shape == (1, 1, 28, 28)
+
+
+def compiling(tmp_path):
+    """The environment of a ``--compile`` run: Inductor on one thread, its cache in a fresh folder (written only
+    when it compiles), Python's warnings shown (a fallback to interception is a CompileFallbackWarning)."""
+    return {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+            "PYTHONWARNINGS": "default"}
+
+
+def eager_relevance(paths):
+    """What ``relprop.LRP(model, "epsilon-plus-flat", compile=False)`` gives for the digits (grey pixels in [0, 1],
+    the CLI's --channels 1 without normalisation), explaining each one's top class."""
+    import cli_factory
+
+    model = cli_factory.small_cnn().eval()
+    inputs = torch.stack([torch.from_numpy(np.asarray(Image.open(p), dtype=np.float32) / 255)[None] for p in paths])
+    target = model(inputs).argmax(1)
+    return relprop.LRP(model, "epsilon-plus-flat", compile=False).attribute(inputs, target=target), target
+
+
+def assert_ran_compiled(result, tmp_path):
+    assert result.returncode == 0, result.stderr
+    assert "CompileFallbackWarning" not in result.stderr, result.stderr
+    assert any((tmp_path / "inductor").rglob("*.py")), "Inductor generated no code"
+
+
+def test_explain_compiled_gives_the_eager_relevance(tmp_path, digits):
+    result = relprop_run("explain", *digits, *MNIST, "--compile", "--out", tmp_path / "out", cwd=tmp_path,
+                         env=compiling(tmp_path))
+    assert_ran_compiled(result, tmp_path)
+    assert "--compile: the last batch ran compiled; 1 program(s) compiled" in result.stdout
+    summary = json.loads((tmp_path / "out" / "explain.json").read_text())
+    relevance, target = eager_relevance(digits)
+    assert [entry["target"] for entry in summary] == target.tolist()
+    torch.testing.assert_close(torch.tensor([entry["relevance_sum"] for entry in summary]),
+                               relevance.sum((1, 2, 3)), rtol=1e-5, atol=1e-5 * relevance.abs().sum().item())
+    # what cannot compile says so: a model with a graph break falls back, with one warning on stderr
+    (tmp_path / "breaking.py").write_text(
+        "import torch\nfrom cli_factory import small_cnn\n\n\n"
+        "class Breaking(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.inner = small_cnn()\n\n"
+        "    def forward(self, x):\n        torch._dynamo.graph_break()\n        return self.inner(x)\n")
+    fallback = relprop_run("explain", *digits, "--model", "breaking:Breaking", "--size", 28, "--channels", 1,
+                           "--compile", "--out", tmp_path / "fallback", cwd=tmp_path, env=compiling(tmp_path))
+    assert fallback.returncode == 0, fallback.stderr
+    assert "CompileFallbackWarning: relprop: compile=True fell back to interception" in fallback.stderr
+    assert "--compile: the last batch ran under interception (" in fallback.stdout
+
+
+def test_explain_dataset_compiled_gives_the_eager_relevance(tmp_path):
+    from relprop.workflows.dataset import load_shard, read_index
+
+    paths = [digit(tmp_path / "images" / f"{i}.png", i) for i in range(3)]
+    result = relprop_run("explain-dataset", tmp_path / "images", *MNIST, "--batch-size", 3, "--compile",
+                         "--out", tmp_path / "shards", cwd=tmp_path, env=compiling(tmp_path))
+    assert_ran_compiled(result, tmp_path)
+    assert json.loads((tmp_path / "shards" / "files.json").read_text()) == list(map(str, paths))
+    index = read_index(tmp_path / "shards")
+    shard = load_shard(tmp_path / "shards" / index[0]["shard"])
+    relevance, target = eager_relevance(paths)
+    assert [line["id"] for line in index] == [0, 1, 2] and shard["target"].tolist() == target.tolist()
+    torch.testing.assert_close(shard["relevance"], relevance, rtol=1e-5, atol=1e-5 * relevance.abs().max().item())
 
 
 def test_explain_dataset_target_label_needs_class_folders(tmp_path, digits):

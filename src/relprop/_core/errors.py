@@ -1,6 +1,14 @@
 """The errors and warnings relprop raises."""
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import warnings
+from types import FrameType
+
+import torch
+
 
 class RuleError(ValueError):
     """A rule was assigned to an op it cannot propagate through."""
@@ -16,3 +24,16 @@ class UnhandledOpWarning(UserWarning):
 
 class ConservationWarning(UserWarning):
     """An op's rule handed on NaN or infinite relevance, or created relevance where it should conserve it."""
+
+
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn ``message`` at the first line on the stack outside relprop, ``contextlib`` and Dynamo (which runs
+    relprop's calls inside compiled code): the user's call, however many frames lie between it and the warning."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dynamo = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_dynamo")
+    skipped = (package + os.sep, dynamo + os.sep, os.path.abspath(contextlib.__file__))
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)

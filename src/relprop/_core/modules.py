@@ -1,17 +1,18 @@
-"""Module state that relprop changes for the length of a call and puts back: eval mode."""
+"""Module state that relprop changes for the length of a call and puts back: eval mode, parameters' grad flags."""
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from torch import nn
 
-__all__ = ["evaluation"]
+from relprop._core.errors import warn_caller
+
+__all__ = ["evaluation", "frozen"]
 
 
 @contextmanager
-def evaluation(model: nn.Module, warning: str | None = None, stacklevel: int = 3) -> Iterator[None]:
+def evaluation(model: nn.Module, warning: str | None = None) -> Iterator[None]:
     """``model`` and its submodules in eval mode inside the block; each flag as it was after it, also when an
     exception flies.
 
@@ -19,13 +20,11 @@ def evaluation(model: nn.Module, warning: str | None = None, stacklevel: int = 3
     ----------
     model : nn.Module
     warning : str, optional
-        Warned (a ``UserWarning``) when any module was in training mode.
-    stacklevel : int
-        Of the warning: 3 names the line of the ``with`` statement, one more for each function in between.
+        Warned (a ``UserWarning``, at the caller's line outside relprop) when any module was in training mode.
     """
     training = [module for module in model.modules() if module.training]
     if training and warning is not None:
-        warnings.warn(warning, stacklevel=stacklevel)
+        warn_caller(warning)
     try:
         for module in training:
             module.training = False
@@ -33,3 +32,21 @@ def evaluation(model: nn.Module, warning: str | None = None, stacklevel: int = 3
     finally:
         for module in training:
             module.training = True
+
+
+@contextmanager
+def frozen(model: nn.Module) -> Iterator[None]:
+    """``model``'s parameters not requiring grad inside the block; each flag as it was after it, also when an
+    exception flies.
+
+    A compiled program's backward pass computes the gradient of every input of its graph that requires grad, the
+    parameters included, whatever ``torch.autograd.grad`` asks for afterwards: relevance needs none of them.
+    """
+    learned = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    try:
+        for parameter in learned:
+            parameter.requires_grad_(False)
+        yield
+    finally:
+        for parameter in learned:
+            parameter.requires_grad_(True)

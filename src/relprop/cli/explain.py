@@ -131,6 +131,10 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
                     shown.append((image, rel.sum(0)))
             _write_json(summary, out / "explain.json")  # after every batch: it lists exactly the finished images
             bar.update(len(relevance))
+    if lrp.compiled is not None:  # whether the last batch ran compiled: a fallback was warned about when it came
+        ran = ("ran compiled" if lrp.compiled.fallback is None else
+               f"ran under interception ({lrp.compiled.fallback})")
+        click.echo(f"--compile: the last batch {ran}; {lrp.compiled.compilations} program(s) compiled")
     if figure:
         classes = None if names_of is None else [names_of(i) for i in range(max(e["prediction"] for e in summary) + 1)]
         column = f"LRP {preset}" + (f", class {target}" if target is not None else "")

@@ -30,14 +30,17 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from relprop._core.gradient_form import InGradientForm
-from relprop._core.registry import HANDLERS
+from relprop._core.kinds import OpKind
+from relprop._core.registry import HANDLERS, op_name
 from relprop._core.rule import Rule, Scaled
 from relprop._core.signatures import bind
 from relprop._core.tensors import per_unit
 from relprop.engine.calls import OpCall
+from relprop.engine.compiled_attention import FUSED_ROLES, WrittenAttention, fused_node, written_attention
 from relprop.engine.plan import _frozen, _module_rule, _same
-from relprop.engine.functions import GradientFormUnavailable
+from relprop.engine.functions import GradientFormUnavailable, _Unhandled
 from relprop.engine.session import RuleSource, Session
+from relprop.engine.tracking import maps_zero_to_zero
 
 
 class CannotCompile(RuntimeError):
@@ -67,6 +70,8 @@ class Decision(NamedTuple):
     probe: int = -1
     #: a BatchNorm merged into the layer that produced its input: that layer's node
     layer: fx.Node | None = None
+    #: attention written out: ``weights @ value``, explained as ``call``, its fused attention (of these nodes)
+    attention: WrittenAttention | None = None
 
 
 class Decider(Session):
@@ -84,6 +89,8 @@ class Decider(Session):
         self._by_path = {name: module for module, name in self.context.names.items()}
 
     def _note(self, *effect: Any) -> None:
+        if effect[0] == "native":  # a layer behind a ReLU skips its rule's terms of negative inputs, as interception
+            self.aliases.rectified(effect[1], effect[-1])
         self.effects.append(effect)
 
     def run(self, call: OpCall, rule: Rule | None = None, source: str = "inherited from the merged layer") -> Any:
@@ -153,9 +160,9 @@ class _Deciding(fx.Interpreter):
         embedded = {index: len(leaves) for index, leaves in decider.embeddings.items()}
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         target = n.target
-        if n.op == "call_function" and target not in HANDLERS:
+        if n.op == "call_function" and target not in HANDLERS and getattr(target, "__module__", "") == "torch._C._nn":
             # Dynamo traces into some of torch.nn.functional's wrappers (F.pad calls torch._C._nn.pad): interception
-            # sees the wrapper, which takes the same arguments
+            # sees the wrapper of the same name, which takes the same arguments
             wrapper = getattr(F, getattr(target, "__name__", ""), None)
             target = wrapper if wrapper in HANDLERS else target
         with decider:
@@ -173,21 +180,33 @@ class _Deciding(fx.Interpreter):
         # "zeroed": an in-place ReLU's zeros among the inputs, which the relevance form keeps track of; relevance
         # per unit of activation crosses the ReLU as its gradient, 0 there
         if len(made) > 1 or made[0][0] not in ("native", "node", "zeroed", "embedded"):
-            raise CannotCompile(f"relprop: the handler of {n.target} in module '{decider.module_name or '<root>'}' "
+            raise CannotCompile(f"relprop: the handler of {op_name(_function(n))} in module "
+                                f"'{decider.module_name or '<root>'}' "
                                 f"decides across ops ({', '.join(effect[0] for effect in made)})")
         if made[0][0] == "embedded":
             index = next((i for i, leaves in decider.embeddings.items() if len(leaves) > embedded.get(i, 0)), -1)
             return Decision(None, None, (), self.tokens[index]) if index >= 0 else None
         _, call, _, rule, _ = made[0]
-        layer, slots = None, self._slots(call, args, kwargs)
+        layer, slots, attention = None, self._slots(call, args, kwargs), None
         if slots is None and isinstance(n.args[0], fx.Node) and call.name.endswith("+batch_norm"):
             layer = n.args[0]  # a BatchNorm merged into the layer that produced its input
             slots = self._slots(call, *self.fetch_args_kwargs_from_env(layer))
+        if slots is None and call.kind is OpKind.ATTENTION and len(args) == 2:
+            attention = written_attention(decider.aliases.scores(args[0]), getattr(call, "roles", ()),
+                                          decider.calls.get(id(call), ()), args[1], self.env)
+            slots = None if attention is None else tuple(range(len(FUSED_ROLES)))
         if slots is None:
             raise CannotCompile(f"relprop: {call.describe()} is explained over other tensors than its arguments")
         wrapped = getattr(rule, "rule", rule)
+        if isinstance(wrapped, _Unhandled):
+            raise CannotCompile(f"relprop: {call.describe()} has no rule")
         native = isinstance(rule, InGradientForm) and rule.native
         scaled = None if rule is None or native else wrapped.scaled(call)
+        if scaled is not None and scaled.ratio and self._moves_zeros(call):
+            # G * out / x carries no relevance where x = 0, which interception hands on as it is
+            raise CannotCompile(f"relprop: rule {wrapped!r} on {call.describe()} hands relevance on to inputs of "
+                                "value 0 (the op maps 0 elsewhere), which relevance per unit of activation cannot "
+                                "carry")
         if rule is not None and not native and (scaled is None or (scaled.modified is None
                                                                    and not isinstance(rule, InGradientForm))):
             raise CannotCompile(f"relprop: rule {wrapped!r} on {call.describe()} has no traceable gradient form")
@@ -197,14 +216,24 @@ class _Deciding(fx.Interpreter):
             if probe < 0:
                 raise CannotCompile(f"relprop: rule {wrapped!r} on {call.describe()} gives inputs of value 0 "
                                     "relevance, and its input is not a model input as it is")
-        return Decision(call, rule, slots, probe, layer)
+        return Decision(call, rule, slots, probe, layer, attention)
+
+    def _moves_zeros(self, call: OpCall) -> bool:
+        """Whether ``call`` maps 0 elsewhere on inputs that hold a ReLU's zeros, whose relevance interception hands
+        on as it is (a composite without gradient form). Zeros of other origins are rare in floating point, and
+        lost as under interception in gradient form."""
+        decider = self.decider
+        if getattr(decider.composite, "gradient_form", False) or maps_zero_to_zero(call):
+            return False
+        activations = decider.calls.get(id(call), ())
+        return any(decider.aliases.relu_output(x) for x in activations) or bool(decider.aliases.zeroed_in(activations))
 
     def _slots(self, call: OpCall, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
         """Where ``call``'s activations are among ``(args, kwargs)``, flattened; None where one is not."""
         leaves, _ = tree_flatten((args, kwargs))
         slots = []
-        for x in self.decider.calls.get(id(call), ()):
-            slot = next((i for i, leaf in enumerate(leaves) if leaf is x), None)
+        for x in self.decider.calls.get(id(call), ()):  # a tensor passed twice (h * h) has two slots
+            slot = next((i for i, leaf in enumerate(leaves) if leaf is x and i not in slots), None)
             if slot is None:
                 return None
             slots.append(slot)
@@ -351,6 +380,12 @@ def _function(n: fx.Node) -> Callable:
     return target
 
 
+def _is_view(n: fx.Node) -> bool:
+    """Whether the value of ``n`` (as Dynamo traced it) is a view of another tensor."""
+    value = n.meta.get("example_value")
+    return isinstance(value, Tensor) and value._is_view()
+
+
 def _out_of_place(n: fx.Node, func: Callable, order: dict[fx.Node, int]) -> Callable:
     """``func`` of ``n`` out of place where it writes into its input (``F.hardswish(x, inplace=True)``,
     ``x.sigmoid_()``): its form reads the input as it was. Only where nothing reads the input after it (which
@@ -363,8 +398,11 @@ def _out_of_place(n: fx.Node, func: Callable, order: dict[fx.Node, int]) -> Call
     if not in_place:
         return func
     source = n.args[0] if n.args else None
-    if not isinstance(source, fx.Node) or any(order[user] > order[n] for user in source.users if user is not n):
-        raise CannotCompile(f"relprop: {getattr(func, '__name__', func)} writes into a tensor that is read after it")
+    # a view shares the written memory with its base: of the source, or the source itself
+    if (not isinstance(source, fx.Node) or source.op == "placeholder" or _is_view(source)
+            or any(order[user] > order[n] or _is_view(user) for user in source.users if user is not n)):
+        raise CannotCompile(f"relprop: {getattr(func, '__name__', func)} writes into a tensor that is read after it "
+                            "or through a view")
     if flag is True:  # passed by name or by position
         names = list(inspect.signature(func).parameters)
         position = names.index("inplace")
@@ -379,11 +417,26 @@ def _out_of_place(n: fx.Node, func: Callable, order: dict[fx.Node, int]) -> Call
 def rewrite(gm: fx.GraphModule, decisions: dict[fx.Node, Decision], probes: dict[int, fx.Node]) -> fx.GraphModule:
     """``gm`` with each decided node replaced by its :class:`Form`; ``probes``: the placeholder of each model
     input's probe, by its position (ones: ``ids.shape + (1,)`` for token ids, the input's shape else)."""
+    decisions = dict(decisions)
+    for n, decision in list(decisions.items()):
+        if decision.attention is not None:  # written out: the product's value, the gradient of its fused attention
+            fused, users = fused_node(gm.graph, n, decision.attention), list(n.users)
+            with gm.graph.inserting_after(fused):
+                explained = gm.graph.call_function(_substitute, (n, fused))
+            for user in users:
+                user.replace_input_with(n, explained)
+            del decisions[n]
+            decisions[fused] = decision._replace(attention=None)
     # as traced: a merged BatchNorm's layer may be rewritten before it
     functions = {n: _function(n) for n in decisions}
     order = {n: index for index, n in enumerate(gm.graph.nodes)}
     arguments = {n: (n.args, dict(n.kwargs)) for n in decisions}
+    # a layer read only by the BatchNorms merged into it: their forms carry its relevance, so it runs as it is
+    merged = {n for n in decisions if n.users and all(user in decisions and decisions[user].layer is n
+                                                      for user in n.users)}
     for n, decision in decisions.items():
+        if n in merged:
+            continue
         func = functions[n]
         call, rule = decision.call, decision.rule
         layer = None
@@ -430,7 +483,10 @@ class Key:
         modules = list(model.modules())
         own = tuple([_module_rule(module) for module in modules])
         hooks = tuple([(tuple(module._forward_hooks), tuple(module._forward_pre_hooks)) for module in modules])
-        return (tuple(modules), own, hooks, _frozen(vars(composite)),
+        # and the hooks registered for every module (nn.modules.module.register_module_forward_hook)
+        everywhere = (tuple(nn.modules.module._global_forward_hooks),
+                      tuple(nn.modules.module._global_forward_pre_hooks))
+        return (tuple(modules), own, hooks, everywhere, type(composite), _frozen(vars(composite)),
                 tuple([(id(rule), _frozen(vars(rule))) for rule in self.rules]))
 
     def holds(self, composite: Any, model: nn.Module) -> bool:

@@ -14,7 +14,6 @@ also when the forward raises. What the pass knows about its activations
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -27,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from relprop._core.errors import RuleError
 from relprop._core.gradient_form import Converted, InGradientForm, in_gradient_form
 from relprop._core.kinds import OpKind
+from relprop._core.modules import evaluation
 from relprop._core.registry import ALWAYS_HANDLED, HANDLERS, op_name, register, resolve
 from relprop._core.rule import Rule
 from relprop._core.tensors import has_activation, has_parameter, is_activation
@@ -265,28 +265,23 @@ class Session(Guard, Unruled, TorchFunctionMode):
     @contextmanager
     def active(self) -> Iterator["Session"]:
         """Hooks, eval mode and the torch function mode for one forward pass; all undone on exit."""
-        training = [module for module in self.context.names if module.training]
-        if training:
-            warnings.warn("relprop: the model is in training mode; it is explained in eval mode "
-                          "(dropout off, BatchNorm running statistics) and put back afterwards", stacklevel=2)
         handles = []
         previous = getattr(_current, "session", None)
-        try:
-            for module in training:
-                module.training = False
-            for module in self.context.names:
-                handles.append(module.register_forward_pre_hook(self._enter_module))
-                handles.append(module.register_forward_hook(self._exit_module, always_call=True))
-            _current.session = self
-            with self:
-                yield self
-        finally:
-            _current.session = previous
-            self.context.clear()
-            for handle in handles:
-                handle.remove()
-            for module in training:
-                module.training = True
+        model = next(iter(self.context.names))  # named_modules() yields the model first
+        with evaluation(model, "relprop: the model is in training mode; it is explained in eval mode (dropout off, "
+                        "BatchNorm running statistics) and put back afterwards"):
+            try:
+                for module in self.context.names:
+                    handles.append(module.register_forward_pre_hook(self._enter_module))
+                    handles.append(module.register_forward_hook(self._exit_module, always_call=True))
+                _current.session = self
+                with self:
+                    yield self
+            finally:
+                _current.session = previous
+                self.context.clear()
+                for handle in handles:
+                    handle.remove()
 
     # ------------------------------------------------------------ helpers for op families
 

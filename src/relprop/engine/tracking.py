@@ -20,7 +20,7 @@ from relprop._core.rule import Pass, Rule
 from relprop._core.tensors import is_alias_of, storage_address
 from relprop.engine.calls import OpCall
 
-__all__ = ["AliasTracker", "aliases", "KEEPS_NONZERO"]
+__all__ = ["AliasTracker", "aliases", "KEEPS_NONZERO", "maps_zero_to_zero"]
 
 #: in-place ops that leave every nonzero entry as it was: the ReLUs (see :meth:`AliasTracker.before_in_place`)
 KEEPS_NONZERO = frozenset({F.relu, F.relu_, torch.relu_, Tensor.relu_})
@@ -34,7 +34,7 @@ def aliases(value: Any, target: Tensor) -> bool:
     return isinstance(value, Tensor) and is_alias_of(value, target)
 
 
-def _maps_zero_to_zero(call: OpCall) -> bool:
+def maps_zero_to_zero(call: OpCall) -> bool:
     """Whether ``call`` is an elementwise op that, with its constants, maps 0 to 0 (entry by entry)."""
     if call.kind != OpKind.ELEMENTWISE:
         return False
@@ -121,6 +121,12 @@ class AliasTracker:
         reader = weakref.ref(call)
         for x in call.inputs:
             self._readers.setdefault(storage_address(x), []).append(reader)
+
+    def rectified(self, call: OpCall, out: Tensor) -> None:
+        """``call`` ran as plain autograd (no relevance node) and produced ``out``: where it is a ReLU, ``out`` is
+        known to be ``>= 0`` (:meth:`relu_output`), as for a recorded ReLU."""
+        if call.func in _RELU:
+            self._producers[out] = call
 
     def alias(self, out: Tensor, of: Tensor) -> None:
         """``out`` stands for ``of`` (a tap node on it): it has ``of``'s producer."""
@@ -259,7 +265,7 @@ class AliasTracker:
         and passes relevance through leaves the question to the ops that read
         its output.
         """
-        if type(rule) is Pass and _maps_zero_to_zero(call):
+        if type(rule) is Pass and maps_zero_to_zero(call):
             self.carry_zeros(zeroed, out)
             return
         for producer in zeroed:

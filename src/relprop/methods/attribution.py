@@ -5,7 +5,6 @@ import functools
 import gc
 import re
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar, cast
@@ -14,13 +13,13 @@ import torch
 from torch import Tensor, nn
 
 from relprop import composites
-from relprop._core.errors import ConservationWarning
+from relprop._core.errors import ConservationWarning, warn_caller
 from relprop._core.tensors import held_rows, per_unit
 from relprop.engine.plan import Entry, PathChanged, Plans, Recording, Replay, pass_signature
 from relprop.engine.session import GradientFormUnavailable, Session
 from relprop.methods._inputs import Inputs, Target, as_tuple, forward_arguments
 from relprop.methods.adapters import hold_selective_parameters
-from relprop.methods.compiled import Compiled
+from relprop.methods.compiled import Compiled, Guard
 from relprop.methods.targets import convergence_delta, model_logits, output_relevance
 
 __all__ = ["Attribution", "LRP", "ForwardPass"]
@@ -251,9 +250,9 @@ class LRP(Attribution):
         leaves = tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs)
         tokens = tuple(x for x in leaves if not x.is_floating_point())
         if self.compiled is not None and taps is None and audit is None and self.session_class is Session:
-            found = self.compiled.forward(leaves, extra, keywords)  # None: it runs under interception
+            found = self.compiled.forward(leaves, extra, keywords, self.composite)  # None: under interception
             if found is not None:  # each input's probe collects relevance (methods.compiled)
-                guard = cast(Session, self.compiled.guard) if self.guard else None  # its checks of the pass
+                guard = cast(Session, Guard(self.strict)) if self.guard else None  # its checks of the pass
                 return ForwardPass(leaves, model_logits(found[0]), {i: [p] for i, p in enumerate(found[1])}, reusable,
                                    guard, True, self.compiled.backward)
         # relevance per unit of activation where the composite's rules are modified gradients (AttnLRP, CP-LRP),
@@ -439,7 +438,7 @@ class ForwardPass:
             for leaf in self._embeddings.get(index, []):
                 grad = by_leaf[id(leaf)]
                 if grad is not None:
-                    tokens = tokens + grad.sum(-1).reshape(x.shape)
+                    tokens = tokens + grad.sum(-1).reshape(x.shape).to(tokens.dtype)  # a probe's is float64
             relevance.append(tokens)
         return tuple(relevance)
 
@@ -466,9 +465,9 @@ class ForwardPass:
             lost = ((at == 0) & (held != 0)).any()
             carried = (flat if owned else torch.zeros_like(flat)).index_copy_(0, rows, per_unit(held, at, owned=True))
         if lost:
-            warnings.warn("relprop: the seed gives relevance to outputs of value 0, which relevance per unit of "
-                          "activation cannot carry; it is lost (explain with a composite without gradient_form)",
-                          ConservationWarning, stacklevel=4)
+            warn_caller("relprop: the seed gives relevance to outputs of value 0, which relevance per unit of "
+                        "activation cannot carry; it is lost (explain with a composite without gradient_form)",
+                        ConservationWarning)
         return carried.view_as(self.logits)
 
     def relevances(self, seeds: Tensor) -> tuple[Tensor, ...]:

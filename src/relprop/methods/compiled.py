@@ -17,17 +17,20 @@ naming the reason.
 """
 from __future__ import annotations
 
+import functools
 import types
-import warnings
-from contextlib import AbstractContextManager
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
 
-from relprop._core.errors import ConservationWarning
-from relprop._core.modules import evaluation
+from relprop._core.errors import ConservationWarning, UnsupportedOpError, warn_caller
+from relprop._core.modules import evaluation, frozen
 from relprop.engine.compiled import CannotCompile, Key, decide, rewrite
+from relprop.engine.plan import pass_signature
 
 #: the compilers the tier hands its rewritten graph to: Inductor, or AOT autograd without code generation
 #: (quick to compile: the tests' choice)
@@ -65,15 +68,22 @@ def _program(explained: _Explained, inputs: tuple[Tensor, ...], probes: tuple[Te
 class Guard:
     """The conservation guard of a compiled pass (in :class:`~relprop.methods.ForwardPass`'s place of a session):
     as in gradient form under interception, relevance per unit of activation has no totals an op is held to, so
-    the relevance that reached the inputs is checked for NaN and infinities, in one read after the backward pass."""
+    the relevance that reached the inputs is checked for NaN and infinities, in one read after the backward pass
+    (``strict``: raised as :class:`~relprop.UnsupportedOpError`, as interception's guard does)."""
+
+    def __init__(self, strict: bool = False):
+        self.strict = strict
 
     def defer_check(self) -> None:
         """Nothing is checked before the pass ends."""
 
     def check_pass(self, seed: Tensor, found: list[Tensor]) -> None:
         if found and not bool(torch.stack([g.isfinite().all() for g in found]).all()):
-            warnings.warn("relprop: the compiled relevance holds NaN or infinite values (explain without compile= "
-                          "to have the guard name the op)", ConservationWarning, stacklevel=5)
+            message = ("relprop: the compiled relevance holds NaN or infinite values (explain without compile= to "
+                       "have the guard name the op)")
+            if self.strict:
+                raise UnsupportedOpError(message)
+            warn_caller(message, ConservationWarning)
 
 
 class Compiled:
@@ -94,7 +104,10 @@ class Compiled:
         self._explained = _Explained(model)
         # a code object of its own: Dynamo keeps its graphs, and counts recompilations, per code object
         program = types.FunctionType(_program.__code__.replace(), _program.__globals__, "relprop_program")
-        self._program = torch.compile(program, backend=self.backend, fullgraph=True)
+        # Dynamo's cache keeps the backend as long as the code: through a weak reference, this object (and its
+        # model) is freed with the LRP that holds it
+        self._program = torch.compile(program, backend=functools.partial(_backend, weakref.ref(self)),
+                                      fullgraph=True)
         self._key: Key | None = None  # of every graph compiled since the last change
         self._current: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] = ((), ())
         self._ran = False
@@ -103,44 +116,79 @@ class Compiled:
         #: graphs compiled so far (each trace Dynamo hands the backend)
         self.compilations = 0
         self._warned: set[str] = set()
-        self.guard = Guard()
+        #: why each input signature could not compile, since the decisions' key last changed: not traced again
+        self._refused: dict[Any, str] = {}
+        #: a dimension whose size varies from call to call (a sequence's length): traced dynamic in every tensor
+        #: argument from the first call on, so that one program serves every size, rather than one for the first
+        #: size and a second, dynamic, one when another comes. None: Dynamo's default (sizes 0 and 1 stay fixed)
+        self.dynamic: int | None = None
 
-    def forward(self, leaves: tuple[Tensor, ...], extra: tuple,
-                keywords: dict[str, Any]) -> tuple[Any, tuple[Tensor, ...]] | None:
-        """The compiled forward pass: the model's output and each input's probe (ones that collect the relevance
-        of token ids' embeddings, ``ids.shape + (1,)``, and of other inputs what rules that fill zeros give them).
-        None where it cannot run compiled (:attr:`fallback` says why, warned once)."""
+    def forward(self, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any],
+                composite: Any) -> tuple[Any, tuple[Tensor, ...]] | None:
+        """The compiled forward pass under ``composite`` (the explainer's, which may have been replaced): the
+        model's output and each input's probe (ones that collect the relevance of token ids' embeddings, ``ids.shape
+        + (1,)`` in float64, and of other inputs what rules that fill zeros give them). None where it cannot run
+        compiled (:attr:`fallback` says why, warned once)."""
         probes = tuple(torch.ones(x.shape, dtype=x.dtype, device=x.device, requires_grad=True)
-                       if x.is_floating_point() else torch.ones(*x.shape, 1, device=x.device, requires_grad=True)
+                       if x.is_floating_point() else
+                       torch.ones(*x.shape, 1, dtype=torch.float64, device=x.device, requires_grad=True)
                        for x in leaves)
-        if self._key is not None and not self._key.holds(self.composite, self.model):
+        if composite is not self.composite or (self._key is not None
+                                               and not self._key.holds(self.composite, self.model)):
+            self.composite = composite
             self._explained.stamp = str(int(self._explained.stamp) + 1)
-            self._key = None
-        self._current, self._ran = (leaves, probes), False
-        # in eval mode, as interception explains it (Dynamo guards the flags); the warning names the caller's caller
-        with evaluation(self.model, "relprop: the model is in training mode; it is explained in eval mode (dropout "
-                        "off, BatchNorm running statistics) and put back afterwards", stacklevel=6):
-            try:
-                output, _ = self._program(self._explained, leaves, probes, extra, keywords)
-                reason = None if self._ran else "Dynamo ran the forward pass without the compiled program"
-            except Exception as error:  # noqa: BLE001 - any failure to trace or compile falls back
-                reason = _reason(error)
-            finally:
-                self._current = ((), ())
+            self._key, self._refused = None, {}
+        signature = pass_signature(leaves, extra, keywords, torch.is_grad_enabled(), torch.is_autocast_enabled(),
+                                   self.dynamic, self._explained.stamp)
+        output, reason = None, self._refused.get(signature)
+        if reason is None:
+            output, reason = self._run(leaves, probes, extra, keywords)
+            if reason is not None and signature is not None:
+                self._refused[signature] = reason
+                if self._key is None:  # tried again when the modules, their rules or the composite change
+                    self._key = Key(self.composite, self.model, [])
         self.fallback = reason
         if reason is None:
             return output, probes
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(f"relprop: compile=True fell back to interception: {reason}", CompileFallbackWarning,
-                          stacklevel=4)
+            warn_caller(f"relprop: compile=True fell back to interception: {reason}", CompileFallbackWarning)
         return None
 
+    def _run(self, leaves: tuple[Tensor, ...], probes: tuple[Tensor, ...], extra: tuple,
+             keywords: dict[str, Any]) -> tuple[Any, str | None]:
+        """The program's output on these arguments, and the reason where it could not run compiled."""
+        self._current, self._ran = (leaves, probes), False
+        if self.dynamic is not None:
+            _mark_dynamic((*leaves, *probes, *extra, *keywords.values()), self.dynamic)
+        # in eval mode, as interception explains it (Dynamo guards the flags)
+        with evaluation(self.model, "relprop: the model is in training mode; it is explained in eval mode (dropout "
+                        "off, BatchNorm running statistics) and put back afterwards"), frozen(self.model):
+            try:
+                output, _ = self._program(self._explained, leaves, probes, extra, keywords)
+                return output, None if self._ran else "Dynamo ran the forward pass without the compiled program"
+            except Exception as error:  # noqa: BLE001 - any failure to trace or compile falls back
+                return None, _reason(error)
+            finally:
+                self._current = ((), ())
+
     @staticmethod
-    def backward() -> AbstractContextManager:
-        """The context of a backward pass of the program: a reusable pass (many seeds) keeps its graph, so none of
-        its buffers may have been donated to the backward (AOT autograd checks that flag again there)."""
-        return torch._functorch.config.patch(donated_buffer=False)
+    @contextmanager
+    def backward() -> Iterator[None]:
+        """The settings the program is compiled and its backward passes run under (AOT autograd and Inductor read
+        them again when they compile the backward graph, at the first backward pass).
+
+        A reusable pass (many seeds) keeps its graph, so none of its buffers may have been donated to the backward.
+        Inductor keeps the memory layout of the model's tensors: it would convert convolutions on the CPU to
+        channels-last, which oneDNN runs slower in float32 than the layout the eager gradient uses; a user who
+        wants channels-last gives the model and its inputs that layout. Inductor compiles in this process: its
+        pool of compile workers, once closed by an earlier compilation, fails every later one.
+        """
+        from torch._inductor import config  # imports Dynamo: only where something compiles
+
+        with (torch._functorch.config.patch(donated_buffer=False),
+              config.patch(layout_optimization=False, compile_threads=1)):
+            yield
 
     def backend(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         """The ``torch.compile`` backend: each node decided and rewritten, then compiled by :attr:`compiler`."""
@@ -166,18 +214,36 @@ class Compiled:
         self._key = Key(self.composite, self.model, rules)
         self.compilations += 1
         with self.backward():  # compiled for backward passes that keep the graph
-            return _flagged(torch._dynamo.lookup_backend(self.compiler)(gm, example_inputs), self)
+            return _flagged(torch._dynamo.lookup_backend(self.compiler)(gm, example_inputs), weakref.ref(self))
 
 
-def _flagged(compiled: Any, owner: Compiled) -> Any:
+def _mark_dynamic(values: tuple[Any, ...], dim: int) -> None:
+    """Dimension ``dim`` of each tensor among ``values`` that has it, dynamic (where it can be)."""
+    from torch._dynamo import maybe_mark_dynamic  # imports Dynamo: only where something compiles
+
+    for x in values:
+        if isinstance(x, Tensor) and x.dim() > dim:
+            maybe_mark_dynamic(x, dim)
+
+
+def _backend(owner: weakref.ref[Compiled], gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """``Compiled.backend`` of ``owner``, which runs its program (so it is alive)."""
+    compiled = owner()
+    assert compiled is not None
+    return compiled.backend(gm, example_inputs)
+
+
+def _flagged(compiled: Any, owner: weakref.ref[Compiled]) -> Any:
     """``compiled``, telling ``owner`` that it ran (Dynamo runs a forward eagerly past its recompilation limit)."""
     first = [True]
 
     def run(*args: Any) -> Any:
-        owner._ran = True
+        flagged = owner()
+        if flagged is not None:
+            flagged._ran = True
         if first:  # AOT autograd may compile here: see Compiled.backward
             first.clear()
-            with owner.backward():
+            with Compiled.backward():
                 return compiled(*args)
         return compiled(*args)
     run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]  # called as it is

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -11,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from relprop._core.errors import ConservationWarning
+from relprop._core.errors import ConservationWarning, warn_caller
 from relprop._core.kinds import OpKind
 from relprop._core.registry import op_name
 from relprop._core.signatures import bind
@@ -283,9 +282,9 @@ class _Joint:
             inexact = sorted(set(session.inexact))
             cause = (f"ops without an exact rule: {', '.join(inexact)}" if inexact else
                      "an op without an exact rule, or an op that mixes examples of the batch")
-            warnings.warn(f"relprop: DeepLift attributions miss f(x) - f(baseline) by up to "
-                          f"{delta.abs().max().item():.3g} (of {self.difference.abs().max().item():.3g}): {cause}",
-                          ConservationWarning, stacklevel=3)
+            warn_caller(f"relprop: DeepLift attributions miss f(x) - f(baseline) by up to "
+                        f"{delta.abs().max().item():.3g} (of {self.difference.abs().max().item():.3g}): {cause}",
+                        ConservationWarning)
         return delta
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from relprop import viz
+from relprop._core.modules import evaluation
 from relprop.methods.attribution import LRP
 from relprop.methods.layer import LayerLRP, resolve_module
 from relprop.workflows.concepts import TopSamples, load_reference_samples
@@ -97,19 +98,15 @@ def _receptive_masks(model: nn.Module, layer: str, inputs: Tensor, channel: int,
     module = resolve_module(model, layer)
     outputs: list[Tensor] = []
     handle = module.register_forward_hook(lambda _module, _args, output: outputs.append(output))
-    training = [m for m in model.modules() if m.training]
     leaf = inputs.detach().requires_grad_()
     try:
-        model.eval()
-        with torch.enable_grad():
+        with evaluation(model), torch.enable_grad():
             model(leaf)
             maps = outputs[0].reshape(len(inputs), outputs[0].shape[1], -1)
             picked = maps[torch.arange(len(inputs)), channel, positions.to(maps.device)]
             (gradient,) = torch.autograd.grad(picked.sum(), leaf)
     finally:
         handle.remove()
-        for m in training:
-            m.training = True
     return (gradient.abs().reshape(len(inputs), inputs.shape[1], *inputs.shape[2:]).sum(1) > 0).cpu().numpy()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import html
 import json
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,18 +292,24 @@ def explain_generation(model: nn.Module, input_ids: Tensor | str, max_new_tokens
     return Generation(sequences, relevance, length, full_mask, tokens)
 
 
-#: per model, its compiled explainers by composite: later generations reuse their programs (and dynamic shapes)
-_COMPILED: weakref.WeakKeyDictionary[nn.Module, dict[Any, LRP]] = weakref.WeakKeyDictionary()
+#: the compiled explainers of the model explained last, by composite and compiler: a later generation of that
+#: model reuses their programs. They hold their model, so explaining another model releases them.
+_KEPT: list[tuple[nn.Module, dict[Any, LRP]]] = []
 
 
 def _explainer(model: nn.Module, composite: composites.Composite | str, compile: bool | str) -> LRP:
     """The explainer of a generation; with ``compile``, the one kept for this model and composite (and compiler)."""
     if not compile:
         return LRP(model, composite)
-    kept = _COMPILED.setdefault(model, {})
+    if not _KEPT or _KEPT[0][0] is not model:
+        _KEPT[:] = [(model, {})]
+    kept = _KEPT[0][1]
     key = (composite, compile)
     if key not in kept:
-        kept[key] = LRP(model, composite, compile=compile)
+        lrp = LRP(model, composite, compile=compile)
+        if lrp.compiled is not None:
+            lrp.compiled.dynamic = 1  # one program for prompts and generations of every length
+        kept[key] = lrp
     return kept[key]
 
 

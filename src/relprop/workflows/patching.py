@@ -78,7 +78,7 @@ def _metric(target: PatchTarget, batch: int, vocabulary: int | None) -> Callable
 def _evaluating(model: nn.Module) -> AbstractContextManager[None]:
     """The model in eval mode inside the block (with a warning if it was not), as it was after it."""
     return evaluation(model, "relprop: the model is in training mode; it is patched in eval mode (dropout off) and "
-                      "put back afterwards", stacklevel=4)
+                      "put back afterwards")
 
 
 class Patching:
@@ -390,7 +390,8 @@ def recovery(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
     For each ``k`` of ``ks``, the corrupted run with the ``k`` heads of highest ``scores`` (per prompt pair, a
     ``(B, layers, heads)`` tensor such as :func:`patching` returns) at their clean activations, all others
     corrupted: ``(m(patched) - m(corrupted)) / (m(clean) - m(corrupted))``, ``(B, len(ks))``. One forward pass
-    for all ``k``.
+    for all ``k``. A pair whose clean and corrupted metric are equal (to within 100 units of rounding of their
+    size) has no share to recover: a ``ValueError`` names it.
     """
     with _evaluating(model):
         pair = Patching(model, clean_ids, corrupted_ids, target, attention_mask)
@@ -405,6 +406,19 @@ def recovery(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
         for copy, k in enumerate(ks):
             chosen[copy].scatter_(1, order[:, :k], True)
         chosen = chosen.view(len(ks), pair.batch, layers, heads)
-        patched = pair.patched("heads", {layer: chosen[:, :, layer] for layer in range(layers)})
         clean, corrupted = pair.metrics()
+        _check_gap(clean, corrupted)
+        patched = pair.patched("heads", {layer: chosen[:, :, layer] for layer in range(layers)})
     return ((patched - corrupted) / (clean - corrupted)).T
+
+
+def _check_gap(clean: Tensor, corrupted: Tensor) -> None:
+    """A ``ValueError`` naming the prompt pairs whose clean and corrupted metric are equal, or differ by no more
+    than the rounding of a few ops on numbers of their size: the share recovered is undefined (0 / 0) or noise."""
+    size = torch.maximum(clean.abs(), corrupted.abs())
+    same = ((clean - corrupted).abs() <= 100 * torch.finfo(clean.dtype).eps * size).nonzero().flatten().tolist()
+    if same:
+        raise ValueError(f"relprop: the clean and the corrupted prompt give the same metric in prompt pair(s) {same} "
+                         f"({', '.join(f'{clean[i].item():.6g} and {corrupted[i].item():.6g}' for i in same)}): the "
+                         "share recovered, (m(patched) - m(corrupted)) / (m(clean) - m(corrupted)), is undefined; "
+                         "choose prompts that differ in the behaviour the metric measures")
