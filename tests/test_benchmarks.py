@@ -130,8 +130,11 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path):
     subprocess.run(["bash", str(BENCHMARKS / "gpu.sh")], check=True, env=env, cwd=BENCHMARKS.parent,
                    capture_output=True)
     status = (tmp_path / "status.txt").read_text()
-    assert status.count(": exit 0 after") == 5, status
+    assert status.count(": exit 0 after") == 7, status
     assert "| relprop epsilon |" in (tmp_path / "bench-bfloat16.log").read_text()
+    for dtype in ("float32", "bfloat16"):
+        assert "| Llama h64, 2 layers, 16 tokens, AttnLRP | eager forward+backward |" in (
+            tmp_path / f"compiled-{dtype}.log").read_text()
     assert not (tmp_path / "scratch").exists()
 
 

@@ -190,3 +190,23 @@ def test_in_place_through_views_falls_back(where):
     with pytest.warns(CompileFallbackWarning, match="writes into a tensor"):
         explained = lrp.record(x)
     assert torch.equal(explained.logits, model(x))
+
+
+@pytest.mark.parametrize("conv", [nn.Conv2d, nn.ConvTranspose2d])
+@pytest.mark.parametrize("preset", ["epsilon", "epsilon-plus-flat", "epsilon-alpha2-beta1"])
+def test_batch_norms_merged_into_convolutions(conv, preset):
+    """Scales of both signs; a transposed convolution holds its output channels in its weight's second dimension."""
+    torch.manual_seed(0)
+    model = nn.Sequential(conv(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4),
+                          nn.ReLU(), nn.Flatten(), nn.LazyLinear(3)).double()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    model(x)
+    model.eval()
+    for norm in (model[1], model[4]):
+        nn.init.uniform_(norm.weight, -1.5, 1.5)
+        norm.running_mean.uniform_(-0.1, 0.1)
+        norm.running_var.uniform_(0.5, 1.5)
+    lrp = relprop.LRP(model, preset, compile="aot_eager")
+    relevance = lrp.attribute(x, target=1)
+    assert lrp.compiled.fallback is None
+    assert_same(relevance, relprop.LRP(model, preset).attribute(x, target=1), bound=1e-13)

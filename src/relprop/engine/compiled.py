@@ -343,7 +343,9 @@ class Form:
             gamma = bound["weight"] if bound["weight"] is not None else torch.ones_like(var)
             scale = gamma / torch.sqrt(var + bound["eps"])
             shift = (bound["bias"] if bound["bias"] is not None else torch.zeros_like(mean)) - mean * scale
-            weight = weight * scale.reshape(-1, *(1,) * (weight.dim() - 1))
+            # a transposed convolution holds its output channels in the weight's second dimension
+            transposed = getattr(self.layer, "__name__", "").startswith("conv_transpose")
+            weight = weight * scale.reshape(((1, -1) if transposed else (-1,)) + (1,) * (weight.dim() - 1 - transposed))
             bias = shift if bias is None else bias * scale + shift
 
         def evaluate(inp: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -447,6 +449,10 @@ def rewrite(gm: fx.GraphModule, decisions: dict[fx.Node, Decision], probes: dict
             native = rule is None or (isinstance(rule, InGradientForm) and rule.native)
             scaled = None if native or wrapped is None else wrapped.scaled(call)
             linearised = call.linearised_function if call.linearised else None
+            if (decision.layer in merged and decision.probe < 0 and (scaled is None or scaled.modified is None)):
+                # the layer runs as it is: through the BatchNorm's own gradient (its scale) and the layer's, a plain
+                # rule's gradient is the merged layer's, without a second product of the merged weight
+                decision = decision._replace(slots=(0,), layer=None)
             parametric = hasattr(call, "evaluate") and (decision.layer is not None or (
                 scaled is not None and scaled.modified is not None))
             if not parametric and native and linearised is None and not (isinstance(rule, InGradientForm)
