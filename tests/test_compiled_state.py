@@ -210,3 +210,31 @@ def test_batch_norms_merged_into_convolutions(conv, preset):
     relevance = lrp.attribute(x, target=1)
     assert lrp.compiled.fallback is None
     assert_same(relevance, relprop.LRP(model, preset).attribute(x, target=1), bound=1e-13)
+
+
+def test_rms_norm_as_dynamo_traces_it():
+    """Dynamo traces ``F.rms_norm`` into ``torch.rms_norm``: decided as interception decides the wrapper."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.RMSNorm(8), nn.Linear(8, 3)).double().eval()
+    x = inputs()
+    for preset in ("epsilon", "attnlrp"):
+        lrp = relprop.LRP(model, preset, compile="aot_eager")
+        relevance = lrp.attribute(x, target=1)
+        assert lrp.compiled.fallback is None
+        assert_same(relevance, relprop.LRP(model, preset).attribute(x, target=1))
+
+
+@pytest.mark.slow
+def test_mamba_falls_back():
+    """Interception holds Mamba's selective parameters by replacing the model's functions for the pass
+    (``methods.adapters``): the compiled tier does not, so it explains such a model under interception."""
+    pytest.importorskip("transformers")
+    from test_zoo import hf_call, hf_model
+
+    model = hf_model("mamba2", "eager")
+    x, target, kwargs = hf_call("mamba2")
+    lrp = relprop.LRP(model, "attnlrp", compile="aot_eager")
+    with pytest.warns(CompileFallbackWarning, match="selective parameters"):
+        relevance = lrp.attribute(x, target=target, additional_forward_args=kwargs or None)
+    reference = relprop.LRP(model, "attnlrp").attribute(x, target=target, additional_forward_args=kwargs or None)
+    assert torch.equal(relevance, reference)

@@ -160,9 +160,10 @@ class _Deciding(fx.Interpreter):
         embedded = {index: len(leaves) for index, leaves in decider.embeddings.items()}
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         target = n.target
-        if n.op == "call_function" and target not in HANDLERS and getattr(target, "__module__", "") == "torch._C._nn":
-            # Dynamo traces into some of torch.nn.functional's wrappers (F.pad calls torch._C._nn.pad): interception
-            # sees the wrapper of the same name, which takes the same arguments
+        if n.op == "call_function" and target not in HANDLERS and (getattr(target, "__module__", "") == "torch._C._nn"
+                                                                   or target is torch.rms_norm):
+            # Dynamo traces into some of torch.nn.functional's wrappers (F.pad calls torch._C._nn.pad, F.rms_norm
+            # torch.rms_norm): interception sees the wrapper of the same name, which takes the same arguments
             wrapper = getattr(F, getattr(target, "__name__", ""), None)
             target = wrapper if wrapper in HANDLERS else target
         with decider:

@@ -79,6 +79,16 @@ def _scan_functions(sources: set[str]) -> list[tuple[ModuleType, str, Callable[.
     return found
 
 
+def holds_selective_parameters(model: nn.Module) -> bool:
+    """Whether :func:`hold_selective_parameters` changes anything for ``model``: it has Mamba mixers."""
+    sources: set[str] = set()
+    for module in model.modules():
+        if _is_mamba1_mixer(module):
+            return True
+        sources.add(type(module).__module__)
+    return bool(_scan_functions(sources))
+
+
 @contextmanager
 def hold_selective_parameters(model: nn.Module) -> Iterator[None]:
     """Hold the selective state space parameters of ``model``'s Mamba mixers constant during one pass.

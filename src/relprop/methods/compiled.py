@@ -31,6 +31,7 @@ from relprop._core.errors import ConservationWarning, UnsupportedOpError, warn_c
 from relprop._core.modules import evaluation, frozen
 from relprop.engine.compiled import CannotCompile, Key, decide, rewrite
 from relprop.engine.plan import pass_signature
+from relprop.methods.adapters import holds_selective_parameters
 
 #: the compilers the tier hands its rewritten graph to: Inductor, or AOT autograd without code generation
 #: (quick to compile: the tests' choice)
@@ -141,6 +142,10 @@ class Compiled:
         signature = pass_signature(leaves, extra, keywords, torch.is_grad_enabled(), torch.is_autocast_enabled(),
                                    self.dynamic, self._explained.stamp)
         output, reason = None, self._refused.get(signature)
+        if reason is None and self._key is None and holds_selective_parameters(self.model):  # checked until a
+            # graph compiles: then the key holds the modules
+            reason = ("the pass holds Mamba's selective parameters by replacing the model's functions, which the "
+                      "compiled program does not")
         if reason is None:
             output, reason = self._run(leaves, probes, extra, keywords)
             if reason is not None and signature is not None:
