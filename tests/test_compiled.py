@@ -197,13 +197,18 @@ def test_compare_main_models(name):
         assert_same(relevance, interception(model, composite(preset), inputs, target), bound=bound)
 
 
-def test_generation_does_not_recompile_for_another_prompt_length():
+def tiny_llama(layers):
+    """A float64 Llama with grouped-query heads and SDPA attention."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=layers, num_attention_heads=4,
                                       intermediate_size=32, num_key_value_heads=2)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).double().eval()
+    return transformers.LlamaForCausalLM(config).double().eval()
+
+
+def test_generation_does_not_recompile_for_another_prompt_length():
+    model = tiny_llama(1)
     lrp = compiled(model, "attnlrp")
     compilations = []
     for length in (5, 6, 9):  # by the second length its dimension is dynamic: the third reuses that graph
@@ -246,12 +251,7 @@ def test_float32_bound():
 
 
 def test_token_relevance_of_a_tiny_llama():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=32, num_key_value_heads=2)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).double().eval()
+    model = tiny_llama(2)
     ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(1))
     for preset in ("attnlrp", "cp-lrp"):
         lrp = compiled(model, preset)

@@ -140,12 +140,8 @@ class Compiled:
             self._explained.stamp = str(int(self._explained.stamp) + 1)
             self._key, self._refused = None, {}
         signature = pass_signature(leaves, extra, keywords, torch.is_grad_enabled(), torch.is_autocast_enabled(),
-                                   self.dynamic, self._explained.stamp)
+                                   self.dynamic)
         output, reason = None, self._refused.get(signature)
-        if reason is None and self._key is None and holds_selective_parameters(self.model):  # checked until a
-            # graph compiles: then the key holds the modules
-            reason = ("the pass holds Mamba's selective parameters by replacing the model's functions, which the "
-                      "compiled program does not")
         if reason is None:
             output, reason = self._run(leaves, probes, extra, keywords)
             if reason is not None and signature is not None:
@@ -197,6 +193,9 @@ class Compiled:
 
     def backend(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         """The ``torch.compile`` backend: each node decided and rewritten, then compiled by :attr:`compiler`."""
+        if holds_selective_parameters(self.model):
+            raise CannotCompile("relprop: the pass holds Mamba's selective parameters by replacing the model's "
+                                "functions, which the compiled program does not")
         leaves, probes = self._current
         values, inputs, probe_nodes = [], {}, {}
         for n in gm.graph.find_nodes(op="placeholder"):
