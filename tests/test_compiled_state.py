@@ -71,6 +71,46 @@ def test_no_weight_gradients_and_flags_put_back():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_submodules_as_modules_lists_them():
+    """The walk the tier reads on every call lists what ``model.modules()`` does, in its order, each module once
+    (a module held twice, a child set to None)."""
+    from relprop._core.modules import submodules
+
+    shared = nn.Linear(2, 2)
+    inner = nn.Sequential(shared, nn.ReLU(), nn.Sequential(nn.Tanh(), shared))
+    model = nn.Sequential(inner, nn.Identity(), shared, inner)
+    model.register_module("absent", None)
+    assert submodules(model) == list(model.modules())
+    assert [type(m).__name__ for m in submodules(model)] == ["Sequential", "Sequential", "Linear", "ReLU",
+                                                             "Sequential", "Tanh", "Identity"]
+
+
+def test_compile_settings_only_inside_calls():
+    """The settings the tier compiles under are the user's again after each call; a reusable pass propagates
+    seeds after the one that compiled its backward graph (each keeps the graph: no donated buffers)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    def settings():
+        return (functorch_config.donated_buffer, inductor_config.layout_optimization,
+                inductor_config.compile_threads)
+    model, x = mlp(), inputs()
+    before = settings()
+    lrp = relprop.LRP(model, "epsilon", compile="aot_eager")
+    recorded = lrp.record(x, reusable=True)
+    assert settings() == before
+    seeds = torch.eye(3, dtype=torch.float64).unsqueeze(1).expand(3, 4, 3) * recorded.logits.detach()
+    (relevances,) = recorded.relevances(seeds)
+    assert settings() == before and lrp.compiled.fallback is None
+    reference = relprop.LRP(model, "epsilon")
+    for target in range(3):
+        assert_same(relevances[target], reference.attribute(x, target=target))
+    with pytest.raises(ZeroDivisionError):  # and when the backward pass raises
+        with lrp.compiled.backward()():
+            raise ZeroDivisionError
+    assert settings() == before
+
+
 def test_strict_raises_on_nan_relevance():
     class Infinite(nn.Module):
         def __init__(self):

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from relprop._core.gradient_form import InGradientForm
 from relprop._core.kinds import OpKind
+from relprop._core.modules import submodules
 from relprop._core.registry import HANDLERS, op_name
 from relprop._core.rule import Rule, Scaled
 from relprop._core.signatures import bind
@@ -487,12 +488,11 @@ class Key:
         self.state = self._of(composite, model)
 
     def _of(self, composite: Any, model: nn.Module) -> Any:
-        modules = list(model.modules())
+        modules = submodules(model)
         own = tuple([_module_rule(module) for module in modules])
         hooks = tuple([(tuple(module._forward_hooks), tuple(module._forward_pre_hooks)) for module in modules])
-        # and the hooks registered for every module (nn.modules.module.register_module_forward_hook)
-        everywhere = (tuple(nn.modules.module._global_forward_hooks),
-                      tuple(nn.modules.module._global_forward_pre_hooks))
+        registry = nn.modules.module  # and the hooks registered for every module (register_module_forward_hook)
+        everywhere = (tuple(registry._global_forward_hooks), tuple(registry._global_forward_pre_hooks))
         return (tuple(modules), own, hooks, everywhere, type(composite), _frozen(vars(composite)),
                 tuple([(id(rule), _frozen(vars(rule))) for rule in self.rules]))
 

@@ -254,7 +254,7 @@ class LRP(Attribution):
             if found is not None:  # each input's probe collects relevance (methods.compiled)
                 guard = cast(Session, Guard(self.strict)) if self.guard else None  # its checks of the pass
                 return ForwardPass(leaves, model_logits(found[0]), {i: [p] for i, p in enumerate(found[1])}, reusable,
-                                   guard, True, self.compiled.backward)
+                                   guard, True, self.compiled.backward())
         # relevance per unit of activation where the composite's rules are modified gradients (AttnLRP, CP-LRP),
         # and nothing reads the relevance of single ops (taps, the audit)
         gradient_form = (self.composite.gradient_form and taps is None and audit is None

@@ -20,8 +20,8 @@ from __future__ import annotations
 import functools
 import types
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -112,6 +112,7 @@ class Compiled:
         self._key: Key | None = None  # of every graph compiled since the last change
         self._current: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] = ((), ())
         self._ran = False
+        self._pending: list[bool] = []  # whether the backward graph of the graph that ran last is still to compile
         #: why the last call fell back to interception (None: it ran compiled); read by tests and by users
         self.fallback: str | None = None
         #: graphs compiled so far (each trace Dynamo hands the backend)
@@ -173,11 +174,31 @@ class Compiled:
             finally:
                 self._current = ((), ())
 
+    def backward(self) -> Callable[[], AbstractContextManager]:
+        """The context of the backward passes of the pass that the last call recorded: :meth:`settings` until its
+        graph's backward pass has compiled (at the first of them); after that only the flag that a backward pass
+        which keeps its graph reads again at each run, set directly (patching every setting costs time)."""
+        pending, flags = self._pending, torch._functorch.config
+
+        @contextmanager
+        def context() -> Iterator[None]:
+            if pending:
+                with self.settings():
+                    yield
+                pending.clear()  # not where the pass raised: its backward may not have compiled
+                return
+            donated, flags.donated_buffer = flags.donated_buffer, False
+            try:
+                yield
+            finally:
+                flags.donated_buffer = donated
+        return context
+
     @staticmethod
     @contextmanager
-    def backward() -> Iterator[None]:
-        """The settings the program is compiled and its backward passes run under (AOT autograd and Inductor read
-        them again when they compile the backward graph, at the first backward pass).
+    def settings() -> Iterator[None]:
+        """The settings the program is compiled and its first backward pass runs under (AOT autograd and Inductor
+        read them again when they compile the backward graph, at the first backward pass).
 
         A reusable pass (many seeds) keeps its graph, so none of its buffers may have been donated to the backward.
         Inductor keeps the memory layout of the model's tensors: it would convert convolutions on the CPU to
@@ -217,7 +238,7 @@ class Compiled:
         rules = list({id(rule): rule for rule in (self._key.rules if self._key is not None else []) + rules}.values())
         self._key = Key(self.composite, self.model, rules)
         self.compilations += 1
-        with self.backward():  # compiled for backward passes that keep the graph
+        with self.settings():  # compiled for backward passes that keep the graph
             return _flagged(torch._dynamo.lookup_backend(self.compiler)(gm, example_inputs), weakref.ref(self))
 
 
@@ -238,16 +259,17 @@ def _backend(owner: weakref.ref[Compiled], gm: fx.GraphModule, example_inputs: l
 
 
 def _flagged(compiled: Any, owner: weakref.ref[Compiled]) -> Any:
-    """``compiled``, telling ``owner`` that it ran (Dynamo runs a forward eagerly past its recompilation limit)."""
-    first = [True]
+    """``compiled``, telling ``owner`` that it ran (Dynamo runs a forward eagerly past its recompilation limit), and
+    whether its backward graph is still to compile (a list, emptied when it has)."""
+    first, pending = [True], [True]
 
     def run(*args: Any) -> Any:
         flagged = owner()
         if flagged is not None:
-            flagged._ran = True
-        if first:  # AOT autograd may compile here: see Compiled.backward
+            flagged._ran, flagged._pending = True, pending
+        if first:  # AOT autograd may compile here: see Compiled.settings
             first.clear()
-            with Compiled.backward():
+            with Compiled.settings():
                 return compiled(*args)
         return compiled(*args)
     run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]  # called as it is
