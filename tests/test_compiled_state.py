@@ -136,12 +136,14 @@ def test_a_refused_signature_is_not_traced_again(monkeypatch):
     lrp = relprop.LRP(model, "epsilon", compile="aot_eager")
     with pytest.warns(CompileFallbackWarning):
         first = lrp.attribute(x, target=1)
+    # traced as one program, then as a forward program for a recorded pass: both refused, and remembered
+    assert len(decided) == 2 and lrp.compiled.split is not None
     second = lrp.attribute(x, target=1)
-    assert len(decided) == 1 and lrp.compiled.fallback is not None
+    assert len(decided) == 2 and lrp.compiled.fallback is not None
     assert torch.equal(first, second)
-    model[4].rule = None  # the key changed: tried again, and compiled
+    model[4].rule = None  # the key changed: tried again, and compiled as one program
     relevance = lrp.attribute(x, target=1)
-    assert len(decided) == 2 and lrp.compiled.fallback is None
+    assert len(decided) == 3 and lrp.compiled.fallback is None and lrp.compiled.split is None
     assert_same(relevance, relprop.LRP(model, "epsilon").attribute(x, target=1))
 
 

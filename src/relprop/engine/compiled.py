@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +49,7 @@ class CannotCompile(RuntimeError):
 
 
 def module_path(stack_entry: str, prefix: str) -> str:
-    """The dotted path of a module as ``model.named_modules`` names it, from Dynamo's ``nn_module_stack`` entry
-    (``"L['self'].model.layers[0].mlp"``) less ``prefix`` (``"L['self'].model"``)."""
+    """A module's dotted path (``named_modules``'), from a Dynamo ``nn_module_stack`` entry less ``prefix``."""
     if prefix.startswith(stack_entry):  # the model itself, or what calls it
         return ""
     if not stack_entry.startswith(prefix):
@@ -140,9 +139,9 @@ class _Deciding(fx.Interpreter):
     """Runs a graph on real tensors, each call under the :class:`Decider`; keeps each node's :class:`Decision`."""
 
     def __init__(self, gm: fx.GraphModule, decider: Decider, prefix: str, inputs: dict[fx.Node, int],
-                 tokens: list[int]):
+                 tokens: list[int], only: set[fx.Node] | None = None):
         super().__init__(gm, garbage_collect_values=False)  # a merged BatchNorm reads its layer's arguments
-        self.decider, self.prefix = decider, prefix
+        self.decider, self.prefix, self.only = decider, prefix, only
         #: the placeholder of each model input, and its position among them; the position of each token input
         self.inputs, self.tokens = inputs, tokens
         self.decisions: dict[fx.Node, Decision] = {}
@@ -150,6 +149,8 @@ class _Deciding(fx.Interpreter):
         self._ops = {path: innermost.count(path) for path in set(innermost)}
 
     def run_node(self, n: fx.Node) -> Any:
+        if self.only is not None and n not in self.only and n.op != "placeholder":  # each takes an argument
+            return None  # not the model's (the seed, the backward pass and the products of a whole attribution)
         if n.op not in ("call_function", "call_method"):
             if n.op == "call_module":
                 raise CannotCompile(f"relprop: the traced graph calls module '{n.target}' as a whole")
@@ -252,20 +253,20 @@ class _Deciding(fx.Interpreter):
 
 def _innermost(n: fx.Node) -> str:
     """The innermost module of the stack a node was issued in (Dynamo's name for it)."""
-    stack = list((n.meta.get("nn_module_stack") or {}).values())
-    return stack[-1][0] if stack else ""
+    return next(reversed((n.meta.get("nn_module_stack") or {}).values()), ("",))[0]
 
 
 def decide(gm: fx.GraphModule, model: nn.Module, composite: RuleSource, values: list[Any],
-           inputs: dict[fx.Node, int], leaves: tuple[Tensor, ...], prefix: str) -> dict[fx.Node, Decision]:
+           inputs: dict[fx.Node, int], leaves: tuple[Tensor, ...], prefix: str,
+           only: set[fx.Node] | None = None) -> dict[fx.Node, Decision]:
     """Each node's decision, from one run of ``gm`` on ``values`` (its inputs) under interception in gradient form.
 
-    ``inputs``: the placeholders of the model inputs ``leaves``, by position. Raises :class:`CannotCompile`
-    with the reason where a node has no traceable form.
+    ``inputs``: the placeholders of the model inputs ``leaves``, by position; ``only``: the nodes run (else all).
+    Raises :class:`CannotCompile` with the reason where a node has no traceable form.
     """
     tokens = [i for i, x in enumerate(leaves) if not x.is_floating_point()]
     decider = Decider(model, composite, tuple(leaves[i] for i in tokens))
-    interpreter = _Deciding(gm, decider, prefix, inputs, tokens)
+    interpreter = _Deciding(gm, decider, prefix, inputs, tokens, only)
     try:
         with torch.enable_grad():
             interpreter.run(*values)
@@ -379,9 +380,7 @@ def _substitute(value: Tensor, surrogate: Tensor) -> Tensor:
 
 def _function(n: fx.Node) -> Callable:
     """The function a node calls (a method by its name on ``Tensor``)."""
-    target = getattr(torch.Tensor, n.target) if isinstance(n.target, str) else n.target
-    assert callable(target)
-    return target
+    return cast(Callable, getattr(torch.Tensor, n.target) if isinstance(n.target, str) else n.target)
 
 
 def _is_view(n: fx.Node) -> bool:

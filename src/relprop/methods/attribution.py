@@ -20,7 +20,7 @@ from relprop.engine.session import GradientFormUnavailable, Session
 from relprop.methods._inputs import Inputs, Target, as_tuple, forward_arguments
 from relprop.methods.adapters import hold_selective_parameters
 from relprop.methods.compiled import Compiled, Guard
-from relprop.methods.targets import convergence_delta, model_logits, output_relevance
+from relprop.methods.targets import LOST_SEED, convergence_delta, model_logits, output_relevance
 
 __all__ = ["Attribution", "LRP", "ForwardPass"]
 
@@ -243,11 +243,7 @@ class LRP(Attribution):
         >>> relevance.shape
         torch.Size([2, 4])
         """
-        inputs = as_tuple(inputs)
-        if not inputs or not all(isinstance(x, Tensor) for x in inputs):
-            raise TypeError("relprop: inputs must be a tensor or a tuple of tensors")
-        extra, keywords = forward_arguments(additional_forward_args)
-        leaves = tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs)
+        leaves, extra, keywords = self._arguments(inputs, additional_forward_args)
         tokens = tuple(x for x in leaves if not x.is_floating_point())
         if self.compiled is not None and taps is None and audit is None and self.session_class is Session:
             found = self.compiled.forward(leaves, extra, keywords, self.composite)  # None: under interception
@@ -302,6 +298,16 @@ class LRP(Attribution):
             return None, Recording(leaves)
         return None, None
 
+    @staticmethod
+    def _arguments(inputs: Inputs, additional_forward_args: Any) -> tuple[tuple[Tensor, ...], tuple, dict[str, Any]]:
+        """The inputs as leaves (floating-point ones detached, requiring grad), and the further positional and
+        keyword arguments of the model."""
+        inputs = as_tuple(inputs)
+        if not inputs or not all(isinstance(x, Tensor) for x in inputs):
+            raise TypeError("relprop: inputs must be a tensor or a tuple of tensors")
+        extra, keywords = forward_arguments(additional_forward_args)
+        return tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs), extra, keywords
+
     @_eager
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,
                   return_convergence_delta: bool = False) -> Any:
@@ -330,6 +336,14 @@ class LRP(Attribution):
         Tensor, or tuple of Tensors for tuple inputs; and the delta if asked.
         """
         with torch.inference_mode(False), cyclic_gc_paused():
+            if self.compiled is not None and self.session_class is Session:  # as one program, where it runs so
+                guard = Guard(self.strict) if self.guard else None
+                found = self.compiled.attribute(*self._arguments(inputs, additional_forward_args), self.composite,
+                                                target, return_convergence_delta, guard)
+                if found is not None:
+                    relevance, whole = found
+                    result = relevance[0] if isinstance(inputs, Tensor) else relevance
+                    return result if whole is None else (result, convergence_delta(whole, relevance))
             explained = self.record(inputs, additional_forward_args, reusable=False)
             seed = output_relevance(explained.logits, target)
             # the seed's total per example, before the pass may take the seed over
@@ -465,9 +479,7 @@ class ForwardPass:
             lost = ((at == 0) & (held != 0)).any()
             carried = (flat if owned else torch.zeros_like(flat)).index_copy_(0, rows, per_unit(held, at, owned=True))
         if lost:
-            warn_caller("relprop: the seed gives relevance to outputs of value 0, which relevance per unit of "
-                        "activation cannot carry; it is lost (explain with a composite without gradient_form)",
-                        ConservationWarning)
+            warn_caller(LOST_SEED, ConservationWarning)
         return carried.view_as(self.logits)
 
     def relevances(self, seeds: Tensor) -> tuple[Tensor, ...]:

@@ -35,6 +35,11 @@ def model_logits(output: Any) -> Tensor:
     raise TypeError(f"relprop: the model returned a {type(output).__name__} without any tensor to explain")
 
 
+#: the warning where a seed gives relevance to a logit of 0, which relevance per unit of activation cannot carry
+LOST_SEED = ("relprop: the seed gives relevance to outputs of value 0, which relevance per unit of activation cannot "
+             "carry; it is lost (explain with a composite without gradient_form)")
+
+
 def _is_index(value: Any) -> bool:
     if isinstance(value, Tensor):
         return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
@@ -115,6 +120,48 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
     else:
         raise TypeError(f"relprop: target must be None, an int, a tuple, a list or a tensor, "
                         f"got {type(target).__name__}")
+    return mask
+
+
+def target_indices(target: Target) -> tuple[Tensor, ...] | None:
+    """``target`` as index tensors, one per indexed dimension after the batch dimension, each of one index for
+    every example or one per example (int64, shape ``(1,)`` or ``(n,)``), for :func:`selection_mask`: a compiled
+    program selects with them whatever their values, where the values of Python integers would each be compiled
+    into a program of their own. ``()`` for None (every entry of an output of one value per example). None where
+    ``target`` selects otherwise (a :class:`Contrastive`, an output relevance) or is malformed: for those,
+    :func:`target_mask` decides (and names the problem)."""
+    if target is None:
+        return ()
+    if isinstance(target, tuple) and any(_per_example(value) for value in target):
+        columns = [[int(v) for v in value] if _per_example(value) else [int(value)] if _is_index(value) else None
+                   for value in target]
+        if any(column is None or not column for column in columns):
+            return None
+        return tuple(torch.tensor(column, dtype=torch.int64) for column in columns)
+    if _is_index(target) or (isinstance(target, tuple) and all(_is_index(value) for value in target)):
+        return tuple(torch.tensor([int(value)], dtype=torch.int64)
+                     for value in (target if isinstance(target, tuple) else (target,)))
+    if isinstance(target, Tensor) and _per_example(target):
+        target = target.tolist()
+    if isinstance(target, list) and target:
+        rows = [item if isinstance(item, tuple) else (item,) for item in target]
+        if len({len(row) for row in rows}) != 1 or not all(_is_index(v) for row in rows for v in row):
+            return None
+        return tuple(torch.tensor([int(v) for v in column], dtype=torch.int64) for column in zip(*rows))
+    return None
+
+
+def selection_mask(output: Tensor, indices: tuple[Tensor, ...]) -> Tensor:
+    """The entries of ``output`` that :func:`target_indices`'s ``indices`` select, as :func:`target_mask` (for
+    indices in range: a compiled program checks them against ``target_mask`` after it ran). Comparisons with
+    positions only, so that it compiles for any values."""
+    mask = torch.ones_like(output, dtype=torch.bool)
+    for dim, index in enumerate(indices, start=1):
+        size = output.shape[dim]
+        hit = torch.arange(size, device=output.device) == (index.to(output.device) % size).unsqueeze(1)
+        shape = [hit.shape[0]] + [1] * (output.dim() - 1)
+        shape[dim] = size
+        mask = mask & hit.reshape(shape)
     return mask
 
 
