@@ -1,8 +1,9 @@
 """The zoo of tests/zoo.py (one smallest timm model per family, tiny Hugging Face configs) through the compiled tier.
 
 For each model: ``relprop.LRP(model, preset, compile="aot_eager")`` (Epsilon on timm's models, AttnLRP on Hugging
-Face's, with SDPA attention where the family has it, else eager), once; whether it ran compiled or fell back, and why; and
-where it ran compiled, how far its relevance is from interception's, relative to the largest entry. Prints a
+Face's, with SDPA attention where the family has it, else eager), once; whether it ran compiled as one program
+(``compiled``), as a recorded pass's forward program (and why not as one) or fell back, and why; and where it ran
+compiled, how far its relevance is from interception's, relative to the largest entry. Prints a
 line per model and a count of the reasons::
 
     OMP_NUM_THREADS=1 python benchmarks/zoo_compiled.py [--only FAMILY ...] [--max-side PIXELS] [--seconds LIMIT]
@@ -34,9 +35,10 @@ def one(model: torch.nn.Module, x: torch.Tensor, target: object, kwargs: dict, p
         found = lrp.attribute(x, target=target, additional_forward_args=kwargs or None)
         if lrp.compiled.fallback is not None:
             return lrp.compiled.fallback, float("nan")
+        outcome = "compiled" if lrp.compiled.split is None else f"compiled as a recorded pass: {lrp.compiled.split}"
         reference = relprop.LRP(model, preset).attribute(x, target=target, additional_forward_args=kwargs or None)
     scale = reference.abs().max().clamp(min=1e-300)
-    return "compiled", float((found - reference).abs().max() / scale)
+    return outcome, float((found - reference).abs().max() / scale)
 
 
 def main() -> None:
@@ -69,7 +71,7 @@ def main() -> None:
             reason, difference = one(model, x, target, kwargs, preset)
         except Exception as error:  # noqa: BLE001 - a model that fails under interception too is reported so
             reason, difference = f"error: {type(error).__name__}: {str(error).splitlines()[0][:120]}", float("nan")
-        reasons["compiled" if reason == "compiled" else reason.split(":")[0][:90]] += 1
+        reasons[reason if reason == "compiled" else reason.split(":")[0][:90]] += 1
         print(f"| {source} | {family} | {reason[:160]} | {difference:.1e} |", flush=True)
     print("\n| outcome | models |\n| --- | --- |")
     for reason, count in reasons.most_common():
