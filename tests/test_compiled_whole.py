@@ -85,7 +85,7 @@ def test_a_contrastive_target_runs_as_a_recorded_pass():
     model, x = mlp(), rows()
     lrp = relprop.LRP(model, "epsilon", compile="aot_eager")
     relevance = lrp.attribute(x, target=relprop.Contrastive(1))
-    assert lrp.compiled.split == "the target is not one of indices" and lrp.compiled.fallback is None
+    assert lrp.compiled.split.startswith("the target is not indices") and lrp.compiled.fallback is None
     assert_same(relevance, relprop.LRP(model, "epsilon").attribute(x, target=relprop.Contrastive(1)))
 
 

@@ -6,6 +6,9 @@ rule that fills zeros gives it). The backend
 (:meth:`Compiled.backend`) has each node's rule decided by interception itself and rewritten into its
 gradient form (:mod:`relprop.engine.compiled`), then hands the graph to Inductor, forward and backward. The
 relevance is the inputs times the gradient of the compiled program, as in gradient form under interception.
+:meth:`Compiled.attribute` compiles the whole attribution (:func:`_attribution`: the seed, ``autograd.grad``
+traced into the graph, and the products with the inputs, after the model); :meth:`Compiled.forward` the forward
+pass of a recorded pass, whose backward passes run through autograd.
 
 Everything else that decides a rule (the composite and its rules' settings, ``module.rule``, the modules
 themselves) is a :class:`~relprop.engine.compiled.Key` checked on every call: where it changed, the wrapper's
@@ -202,7 +205,7 @@ class Compiled:
         program where it can. The target is checked against the logits as :func:`~relprop.methods.target_mask`
         checks it, after the program ran; ``guard`` checks the relevance."""
         selection = target_indices(target)
-        self.split = "the target is not one of indices" if selection is None else None
+        self.split = "the target is not indices (a Contrastive, an output relevance)" if selection is None else None
         if selection is None:
             return None
         self._refresh(composite)
@@ -333,7 +336,8 @@ def _model_nodes(gm: fx.GraphModule) -> set[fx.Node] | None:
     """In the graph of a whole attribution (:func:`_attribution`), the nodes of the model's forward pass: each
     node up to the logits (what the backward pass differentiates is ``logits + ...``), and any later one issued
     inside the model (an op after its logits, which may write into them). None in the graph of a forward pass."""
-    grad = next(iter(gm.graph.find_nodes(op="call_function", target=torch.autograd.grad)), None)
+    # the last: a model may differentiate something of its own in its forward pass
+    grad = next(reversed(gm.graph.find_nodes(op="call_function", target=torch.autograd.grad)), None)
     if grad is None:
         return None
     differentiated = grad.args[0]
