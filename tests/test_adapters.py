@@ -70,9 +70,11 @@ def mambalrp_reference(wrapper: Logits, ids: torch.Tensor, token: int) -> torch.
 
     model = wrapper.model
     rsqrt = torch.rsqrt
+    # named Mamba2RMSNormGated from transformers 5.25 on
+    gated_norm_class = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
     with replaced((modeling_mamba2, "mamba2_chunk_scan", held_scan), (F, "silu", silu),
                   (torch, "rsqrt", lambda t, *a, **k: rsqrt(t, *a, **k).detach()),
-                  (modeling_mamba2.MambaRMSNormGated, "forward", gated_norm)):
+                  (gated_norm_class, "forward", gated_norm)):
         embedded = model.backbone.embeddings(ids).detach().requires_grad_()
         out = model(inputs_embeds=embedded, use_cache=False).logits[0, -1, token]
         (grad,) = torch.autograd.grad(out, embedded)
@@ -80,6 +82,7 @@ def mambalrp_reference(wrapper: Logits, ids: torch.Tensor, token: int) -> torch.
 
 
 def test_mamba2_attnlrp_equals_the_mambalrp_reference():
+    scan = modeling_mamba2.mamba2_chunk_scan
     torch.manual_seed(0)
     wrapper = mamba2()
     ids = torch.randint(0, 50, (1, 8))
@@ -88,7 +91,7 @@ def test_mamba2_attnlrp_equals_the_mambalrp_reference():
     reference = mambalrp_reference(wrapper, ids, token)
     # HF's scan computes in float32 whatever the model's dtype: equality to its rounding
     assert (relevance - reference).abs().max() / reference.abs().max() < 1e-6
-    assert modeling_mamba2.mamba2_chunk_scan.__name__ == "mamba2_chunk_scan"
+    assert modeling_mamba2.mamba2_chunk_scan is scan  # put back after the pass
 
 
 def test_mamba2_scan_functions_are_put_back_after_a_failing_pass():
@@ -137,3 +140,37 @@ def test_mamba1_selective_parameters_are_constants():
             mixer.x_proj = projection
     torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
     assert not any(module._forward_hooks for mixer in mixers for module in mixer.modules())
+
+
+def _as_function_module(func):
+    """``func`` as transformers wraps scan functions when ``kernels`` is installed: a module whose ``forward``
+    takes ``*args, **kwargs`` and calls the function it closes over."""
+    class Func(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+    return Func()
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_scan_functions_wrapped_as_modules_are_held(wrapped):
+    """Whether transformers hands the scan over as a function or as a function module, dt, B and C are held:
+    the relevance is MambaLRP's reference's."""
+    torch.manual_seed(0)
+    wrapper = mamba2()
+    ids = torch.randint(0, 50, (1, 8))
+    token = int(wrapper(ids)[0, -1].argmax())
+    reference = mambalrp_reference(wrapper, ids, token)
+    scan = modeling_mamba2.mamba2_chunk_scan
+    with replaced((modeling_mamba2, "mamba2_chunk_scan", _as_function_module(scan) if wrapped else scan)):
+        relevance = relprop.LRP(wrapper, "attnlrp").attribute(ids, target=(-1, token))[0]
+    assert (relevance - reference).abs().max() / reference.abs().max() < 1e-6
+
+
+def test_a_scan_that_does_not_name_its_arguments_is_reported():
+    torch.manual_seed(0)
+    wrapper = mamba2()
+    ids = torch.randint(0, 50, (1, 8))
+    scan = modeling_mamba2.mamba2_chunk_scan
+    with replaced((modeling_mamba2, "mamba2_chunk_scan", lambda *args, **kwargs: scan(*args, **kwargs))):
+        with pytest.warns(relprop.UnhandledOpWarning, match="not held constant"):
+            relprop.LRP(wrapper, "attnlrp").attribute(ids, target=(-1, 3))

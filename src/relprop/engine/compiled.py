@@ -50,10 +50,10 @@ class CannotCompile(RuntimeError):
 
 def module_path(stack_entry: str, prefix: str) -> str:
     """A module's dotted path (``named_modules``'), from a Dynamo ``nn_module_stack`` entry less ``prefix``."""
-    if prefix.startswith(stack_entry):  # the model itself, or what calls it
+    # "": the model itself, what calls it, or a module outside the model (a function that transformers wraps as a
+    # hub kernel): interception hooks the model's modules alone, and explains such a module's ops as its caller's
+    if prefix.startswith(stack_entry) or not stack_entry.startswith(prefix):
         return ""
-    if not stack_entry.startswith(prefix):
-        raise CannotCompile(f"relprop: the traced graph names a module '{stack_entry}' outside the model")
     rest = stack_entry[len(prefix):]
     return re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", rest).lstrip(".")
 

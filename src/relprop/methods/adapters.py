@@ -14,7 +14,9 @@ tell them apart. The adapter acts where their role is explicit, for the pass onl
   is exactly ``(dt, B, C)``; a forward hook returns it detached.
 - Mamba-2 mixers (Mamba-2, Bamba, Zamba2, Falcon-H1, Nemotron-H, GraniteMoE-hybrid): their module's
   ``mamba2_chunk_scan`` and ``mamba2_selective_state_update`` are called with ``dt``, ``B`` and ``C``
-  detached; the module attributes are put back when the pass ends, also when it raises.
+  detached (also where transformers wraps them as function modules of ``kernels``, by the wrapped function's
+  argument names; a scan whose arguments have no names is warned about, not held); the module attributes are
+  put back when the pass ends, also when it raises.
 
 Detached tensors are constants to the engine, so every product with them is linear in the signal and takes
 the preset's rule for it; with AttnLRP the result equals MambaLRP's reference implementation.
@@ -31,6 +33,8 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+from relprop._core.errors import UnhandledOpWarning, warn_caller
 
 __all__ = ["HELD_ARGUMENTS", "hold_selective_parameters"]
 
@@ -51,9 +55,28 @@ def _is_mamba1_mixer(module: nn.Module) -> bool:
             and hasattr(module, "dt_proj"))
 
 
+def _signature(func: Callable[..., Any]) -> inspect.Signature:
+    """The signature that names ``func``'s arguments: its own, or where a module wraps the function (transformers
+    turns scan functions into ``kernels``' function modules, whose ``forward`` takes ``*args, **kwargs`` and calls
+    the function it closes over), that function's."""
+    signature = inspect.signature(func)
+    if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
+        return signature
+    for cell in getattr(getattr(func, "forward", None), "__closure__", None) or ():
+        inner = cell.cell_contents
+        if inspect.isfunction(inner) or isinstance(inner, nn.Module):  # a module may wrap one that wraps it
+            return _signature(inner)
+    return signature
+
+
 def _holding(func: Callable[..., Any], held: tuple[str, ...]) -> Callable[..., Any]:
     """``func`` called with the arguments named in ``held`` detached."""
-    signature = inspect.signature(func)
+    signature = _signature(func)
+    missing = [name for name in held if name not in signature.parameters]
+    if missing:  # the parameters would move the relevance through the scan: said, not done silently
+        warn_caller(f"relprop: {getattr(func, '__name__', type(func).__name__)} does not name the arguments "
+                    f"{', '.join(missing)}: Mamba's selective parameters are not held constant (MambaLRP) in this "
+                    "pass", UnhandledOpWarning)
 
     @functools.wraps(func)
     def call(*args: Any, **kwargs: Any) -> Any:
