@@ -280,3 +280,32 @@ def test_mamba_falls_back():
         relevance = lrp.attribute(x, target=target, additional_forward_args=kwargs or None)
     reference = relprop.LRP(model, "attnlrp").attribute(x, target=target, additional_forward_args=kwargs or None)
     assert torch.equal(relevance, reference)
+
+
+class _Doubling(nn.Module):
+    def forward(self, x):
+        return x * 2.0
+
+
+#: a module the model calls without holding it (as transformers calls functions it wraps as hub-kernel modules)
+_OUTSIDE = _Doubling()
+
+
+def test_a_module_outside_the_model_is_its_callers():
+    """Dynamo names a module the model calls but does not hold in the graph's module stack; interception hooks
+    the model's modules alone and explains its ops as the caller's: so does the compiled tier."""
+    class Calling(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(6, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.second(_OUTSIDE(self.first(x)).relu())
+
+    torch.manual_seed(0)
+    model, x = Calling().double().eval(), inputs()
+    for preset in ("epsilon", "epsilon-plus"):
+        lrp = relprop.LRP(model, preset, compile="aot_eager")
+        relevance = lrp.attribute(x, target=1)
+        assert lrp.compiled.fallback is None and lrp.compiled.split is None
+        assert_same(relevance, relprop.LRP(model, preset).attribute(x, target=1))
