@@ -14,15 +14,8 @@ import relprop
 from relprop._core.errors import ConservationWarning
 from relprop.methods.targets import selection_mask, target_indices, target_mask
 from test_compiled import PRESETS, assert_same, composite, images, interception, residual, tiny_llama
-
-
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).double().eval()
-
-
-def rows():
-    return torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+from test_compiled_state import inputs as rows
+from test_compiled_state import mlp
 
 
 @pytest.mark.parametrize("target", [1, -1, (2,), [0, 1, 2, 0], torch.tensor([2, 0, 1, 1]), [2], torch.tensor([1])])
