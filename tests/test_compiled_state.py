@@ -71,20 +71,6 @@ def test_no_weight_gradients_and_flags_put_back():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_submodules_as_modules_lists_them():
-    """The walk the tier reads on every call lists what ``model.modules()`` does, in its order, each module once
-    (a module held twice, a child set to None)."""
-    from relprop._core.modules import submodules
-
-    shared = nn.Linear(2, 2)
-    inner = nn.Sequential(shared, nn.ReLU(), nn.Sequential(nn.Tanh(), shared))
-    model = nn.Sequential(inner, nn.Identity(), shared, inner)
-    model.register_module("absent", None)
-    assert submodules(model) == list(model.modules())
-    assert [type(m).__name__ for m in submodules(model)] == ["Sequential", "Sequential", "Linear", "ReLU",
-                                                             "Sequential", "Tanh", "Identity"]
-
-
 def test_compile_settings_only_inside_calls():
     """The settings the tier compiles under are the user's again after each call; a reusable pass propagates
     seeds after the one that compiled its backward graph (each keeps the graph: no donated buffers)."""

@@ -8,23 +8,7 @@ from torch import nn
 
 from relprop._core.errors import warn_caller
 
-__all__ = ["evaluation", "frozen", "submodules"]
-
-
-def submodules(model: nn.Module) -> list[nn.Module]:
-    """``list(model.modules())``, in its order (each module once, before its children), without the names
-    that ``named_modules`` builds: read on every call of a compiled attribution."""
-    found: list[nn.Module] = []
-    seen: set[int] = set()
-    stack = [model]
-    while stack:
-        module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        found.append(module)
-        stack.extend(reversed([child for child in module._modules.values() if child is not None]))
-    return found
+__all__ = ["evaluation", "frozen"]
 
 
 @contextmanager
@@ -38,7 +22,7 @@ def evaluation(model: nn.Module, warning: str | None = None) -> Iterator[None]:
     warning : str, optional
         Warned (a ``UserWarning``, at the caller's line outside relprop) when any module was in training mode.
     """
-    training = [module for module in submodules(model) if module.training]
+    training = [module for module in model.modules() if module.training]
     if training and warning is not None:
         warn_caller(warning)
     try:
@@ -58,9 +42,7 @@ def frozen(model: nn.Module) -> Iterator[None]:
     A compiled program's backward pass computes the gradient of every input of its graph that requires grad, the
     parameters included, whatever ``torch.autograd.grad`` asks for afterwards: relevance needs none of them.
     """
-    # a parameter shared by modules is listed once for each: its flag is set and put back alike
-    learned = [parameter for module in submodules(model) for parameter in module._parameters.values()
-               if parameter is not None and parameter.requires_grad]
+    learned = [parameter for parameter in model.parameters() if parameter.requires_grad]
     try:
         for parameter in learned:
             parameter.requires_grad_(False)

@@ -31,7 +31,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from relprop._core.gradient_form import InGradientForm
 from relprop._core.kinds import OpKind
-from relprop._core.modules import submodules
 from relprop._core.registry import HANDLERS, op_name
 from relprop._core.rule import Rule, Scaled
 from relprop._core.signatures import bind
@@ -487,7 +486,7 @@ class Key:
         self.state = self._of(composite, model)
 
     def _of(self, composite: Any, model: nn.Module) -> Any:
-        modules = submodules(model)
+        modules = list(model.modules())
         own = tuple([_module_rule(module) for module in modules])
         hooks = tuple([(tuple(module._forward_hooks), tuple(module._forward_pre_hooks)) for module in modules])
         registry = nn.modules.module  # and the hooks registered for every module (register_module_forward_hook)

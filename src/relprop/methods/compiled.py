@@ -205,8 +205,8 @@ class Compiled:
         program where it can. The target is checked against the logits as :func:`~relprop.methods.target_mask`
         checks it, after the program ran; ``guard`` checks the relevance."""
         selection = target_indices(target)
-        self.split = "the target is not indices (a Contrastive, an output relevance)" if selection is None else None
         if selection is None:
+            self.split = "the target is not indices (a Contrastive, an output relevance)"
             return None
         self._refresh(composite)
         probes = _probes(leaves)
@@ -241,18 +241,18 @@ class Compiled:
             self._explained.stamp = str(int(self._explained.stamp) + 1)
             self._key, self._refused = None, {}
 
-    def _run(self, program: Any, signature: Any, leaves: tuple[Tensor, ...], probes: tuple[Tensor, ...],
-             *arguments: Any) -> tuple[Any, str | None]:
+    def _run(self, program: Any, signature: Any, leaves: tuple[Tensor, ...], probes: tuple[Tensor, ...], extra: tuple,
+             keywords: dict[str, Any], *whole: Any) -> tuple[Any, str | None]:
         """``program``'s output on these arguments, and the reason where it could not run compiled (remembered
         for ``signature`` until the key changes)."""
         self._current, self._ran = (leaves, probes), False
         if self.dynamic is not None:
-            _mark_dynamic((*leaves, *probes, *arguments[0], *arguments[1].values()), self.dynamic)
+            _mark_dynamic((*leaves, *probes, *extra, *keywords.values()), self.dynamic)
         # in eval mode, as interception explains it (Dynamo guards the flags)
         with evaluation(self.model, "relprop: the model is in training mode; it is explained in eval mode (dropout "
                         "off, BatchNorm running statistics) and put back afterwards"), frozen(self.model):
             try:
-                output = program(self._explained, leaves, probes, *arguments)
+                output = program(self._explained, leaves, probes, extra, keywords, *whole)
                 reason = None if self._ran else "Dynamo ran the forward pass without the compiled program"
             except Exception as error:  # noqa: BLE001 - any failure to trace or compile falls back
                 output, reason = None, _reason(error)

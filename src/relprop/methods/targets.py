@@ -133,11 +133,10 @@ def target_indices(target: Target) -> tuple[Tensor, ...] | None:
     if target is None:
         return ()
     if isinstance(target, tuple) and any(_per_example(value) for value in target):
-        columns = [[int(v) for v in value] if _per_example(value) else [int(value)] if _is_index(value) else None
-                   for value in target]
-        if any(column is None or not column for column in columns):
+        try:  # as one tuple per example, taken below
+            target = _per_example_targets(target, max(len(value) for value in target if _per_example(value)))
+        except ValueError:
             return None
-        return tuple(torch.tensor(column, dtype=torch.int64) for column in columns)
     if _is_index(target) or (isinstance(target, tuple) and all(_is_index(value) for value in target)):
         return tuple(torch.tensor([int(value)], dtype=torch.int64)
                      for value in (target if isinstance(target, tuple) else (target,)))
