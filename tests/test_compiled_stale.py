@@ -359,3 +359,19 @@ def test_written_attention_checks_its_fused_form_on_every_run(agree):
     assert torch.equal(out, value)
     (grad,) = torch.autograd.grad(out, fused, torch.full_like(value, 0.75))
     assert torch.equal(grad, torch.full_like(value, 0.75)) if agree else grad.isinf().all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", ["module rule set", "backward pre-hook"])
+def test_inductor_is_never_stale_either(change):
+    """The same with Inductor's generated code, on a tiny model: within rounding of Inductor's own sums."""
+    model, x = cnn(), images()
+    lrp = relprop.LRP(model, relprop.composites.EpsilonPlusFlat(), compile=True)
+    lrp.attribute(x, target=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompileFallbackWarning)
+        warnings.simplefilter("ignore", relprop.UnhandledOpWarning)
+        CHANGES[change](model, lrp)
+        relevance = lrp.attribute(x, target=1)
+        reference = relprop.LRP(model, relprop.composites.EpsilonPlusFlat()).attribute(x, target=1)
+    assert_same(relevance, reference, bound=1e-10)
