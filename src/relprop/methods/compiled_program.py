@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from relprop.engine.decide import CannotCompile
+from relprop.methods.forward_pass import per_input
 from relprop.methods.targets import model_logits, selection_mask
 
 __all__ = ["Explained", "attribution", "mark_dynamic", "model_nodes", "probes_of", "program"]
@@ -49,13 +50,10 @@ def attribution(logits: Tensor, inputs: tuple[Tensor, ...], probes: tuple[Tensor
     # a model of token ids reaches its probes only through the forms that the backend writes in afterwards
     reached = logits + sum(leaf.sum().to(logits.dtype) for leaf in leaves) * 0
     grads = torch.autograd.grad(reached, leaves, (mask & (logits != 0)).to(logits.dtype))
-    explained, collected = iter(grads[:len(leaves) - len(probes)]), iter(grads[len(leaves) - len(probes):])
-    relevance = []
-    for x in inputs:
-        if x.requires_grad:  # a probe of a floating-point input collects what rules that fill zeros give it
-            relevance.append((next(explained) * x.detach() + next(collected)).detach())
-        else:
-            relevance.append(next(collected).sum(-1).reshape(x.shape).to(logits.dtype).detach())
+    explained = iter(grads[:len(leaves) - len(probes)])
+    own = {index: next(explained) * x.detach() for index, x in enumerate(inputs) if x.requires_grad}
+    collected = {index: [grad] for index, grad in enumerate(grads[len(leaves) - len(probes):])}
+    relevance = [r.detach() for r in per_input(inputs, own, collected, logits.dtype)]
     finite = torch.stack([r.isfinite().all() for r in relevance]).all() if relevance else torch.tensor(True)
     total = torch.where(mask, logits, 0).reshape(len(logits), -1).sum(1).detach() if totals else None
     return logits.detach(), tuple(relevance), (mask & (logits == 0)).any(), finite, total

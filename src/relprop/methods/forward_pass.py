@@ -1,7 +1,7 @@
 """One forward pass under the engine, kept: the relevance of its inputs for any seed (``lrp.record``)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -13,7 +13,7 @@ from relprop.engine.session import Session
 from relprop.methods.protocol import eager
 from relprop.methods.targets import LOST_SEED
 
-__all__ = ["ForwardPass"]
+__all__ = ["ForwardPass", "per_input"]
 
 
 class ForwardPass:
@@ -69,22 +69,9 @@ class ForwardPass:
             session.check_pass(seed, [g for g in found if g is not None])
         grads = iter(found)
         by_leaf = {id(leaf): next(grads) for leaf in explained + embedded}
-        relevance = []
-        for index, x in enumerate(self.inputs):
-            if x.requires_grad:
-                grad = by_leaf[id(x)]
-                grad = grad if grad is not None else torch.zeros_like(x)
-                for leaf in self._embeddings.get(index, []):  # what the compiled tier's probe collected
-                    grad = grad if by_leaf[id(leaf)] is None else grad + by_leaf[id(leaf)]
-                relevance.append(grad)
-                continue
-            tokens = torch.zeros(x.shape, dtype=seed.dtype, device=x.device)
-            for leaf in self._embeddings.get(index, []):
-                grad = by_leaf[id(leaf)]
-                if grad is not None:
-                    tokens = tokens + grad.sum(-1).reshape(x.shape).to(tokens.dtype)  # a probe's is float64
-            relevance.append(tokens)
-        return tuple(relevance)
+        own = {index: by_leaf[id(x)] for index, x in enumerate(self.inputs) if x.requires_grad}
+        collected = {index: [by_leaf[id(leaf)] for leaf in leaves] for index, leaves in self._embeddings.items()}
+        return per_input(self.inputs, own, collected, seed.dtype)
 
     def _carried(self, seed: Tensor, owned: bool) -> Tensor:
         """What the backward pass starts from: the seed, or in gradient form the seed per unit of the logits.
@@ -128,3 +115,23 @@ class ForwardPass:
         return tuple(torch.stack(per_input) for per_input in zip(*found))
 
 
+def per_input(inputs: tuple[Tensor, ...], own: Mapping[int, Tensor | None],
+              collected: Mapping[int, Sequence[Tensor | None]],
+              dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """The relevance of each input, by position: a floating-point input's ``own`` (None: 0) plus what its probes
+    ``collected`` (rules that fill zeros, in the compiled tier); token ids' the relevance their embeddings'
+    probes collected, summed over the last dimension, in ``dtype`` (a probe's is float64)."""
+    relevance = []
+    for index, x in enumerate(inputs):
+        probes = [grad for grad in collected.get(index, ()) if grad is not None]
+        if x.requires_grad:
+            found = own.get(index)
+            total = found if found is not None else torch.zeros_like(x)
+            for grad in probes:
+                total = total + grad
+        else:
+            total = torch.zeros(x.shape, dtype=dtype, device=x.device)
+            for grad in probes:
+                total = total + grad.sum(-1).reshape(x.shape).to(dtype)
+        relevance.append(total)
+    return tuple(relevance)
