@@ -335,7 +335,7 @@ RELP_AT = "corrupted"
 
 def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target: PatchTarget, *,
              components: str | Component | Sequence[str | Component] = "heads", method: str = "relp",
-             composite: composites.Composite | str = "attnlrp",
+             composite: composites.Composite | str = "relp",
              attention_mask: Tensor | None = None) -> Tensor | dict[str, Tensor]:
     """The effect of each head, MLP or residual position on a metric: patched, or estimated by gradient or LRP.
 
@@ -366,7 +366,8 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
         ``(a_clean - a_corrupted) . dm/da`` with the gradient at the corrupted run. ``"relp"``: the same with
         the composite's relevance per unit of activation in place of the gradient, read at the corrupted run.
     composite : Composite or str
-        The rules of ``"relp"``: ``"attnlrp"``, ``"cp-lrp"``, ``"epsilon"``, ...
+        The rules of ``"relp"``: ``"relp"`` (RelP's default rules, measured best across component types on
+        SmolLM2: docs/guide/patching.md), ``"relp-ah"``, ``"attnlrp"``, ``"cp-lrp"``, ``"epsilon"``, ...
     attention_mask : Tensor, optional
         ``(B, T)``, for both runs.
 
