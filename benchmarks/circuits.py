@@ -103,6 +103,25 @@ def measure_pair(model: torch.nn.Module, clean: torch.Tensor, corrupted: torch.T
             "length": clean.shape[1]}
 
 
+def _saturation(pairs: list[dict], methods: list[str]) -> None:
+    """The largest MLP-output cell of each pair (normalised) and each method's estimate there; Pearson without
+    the first layer; the share of cells under 1% of the gap."""
+    print("\n| pair | largest mlp_out cell | activation | " + " | ".join(methods) + " | "
+          + " | ".join(f"{m} without layer 0" for m in methods) + " |\n|---|---|---|" + "---|" * 2 * len(methods))
+    for entry in pairs:
+        exact = entry["found"]["activation"]["mlp_out"]
+        layer, position = divmod(int(exact.abs().argmax()), exact.shape[1])
+        cells = [float(entry["found"][m]["mlp_out"][layer, position]) for m in methods]
+        rest = [pearson(entry["found"][m]["mlp_out"][1:], exact[1:]) for m in methods]
+        print(f"| {entry['text']!r} | layer {layer}, position {position} | {float(exact[layer, position]):.2f} | "
+              + " | ".join(f"{v:.2f}" for v in cells) + " | " + " | ".join(f"{v:.3f}" for v in rest) + " |")
+    rest = {m: _mean([pearson(e["found"][m]["mlp_out"][1:], e["found"]["activation"]["mlp_out"][1:]) for e in pairs])
+            for m in methods}
+    small = [float((e["found"]["activation"][kind].abs() < 0.01).double().mean()) for e in pairs for kind in GRIDS]
+    print("mean Pearson on mlp_out without layer 0: " + ", ".join(f"{m} {v:.3f}" for m, v in rest.items())
+          + f"; cells under 1% of the gap: {min(small):.0%} to {max(small):.0%} of a grid, mean {_mean(small):.0%}")
+
+
 def _blend(model: torch.nn.Module, clean: torch.Tensor, corrupted: torch.Tensor, target: tuple[int, int],
            entry: dict, preset: str) -> None:
     """The mean of attribution's and ``preset``'s normalised estimates, and its circuits, added to ``entry``."""
@@ -220,6 +239,7 @@ def main() -> None:
         print("\n| heads + MLPs ranked by | CPR | CMD |\n|---|---|---|")
         for name, (cpr, cmd) in circuits.items():
             print(f"| {name} | {cpr:.3f} | {cmd:.3f} |")
+        _saturation(pairs, [m for m in ("attribution", "relp") if m in methods])
         seconds = {m: statistics.median(p["seconds"][m] for p in pairs) for m in ["activation", *methods]}
         results[group]["seconds"] = seconds
         print("\nseconds per pair (median), every grid and node at once: "
