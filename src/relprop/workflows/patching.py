@@ -147,11 +147,13 @@ class Patching:
         kind = resolve(components)
         kept = self._activations.setdefault(clean, {})
         if kind.name not in kept:
-            kinds = [*COMPONENTS.values(), *([] if COMPONENTS.get(kind.name) is kind else [kind])]
+            # kinds are known by name: one given that is not the registered kind of its name comes first
+            kinds = [*([] if COMPONENTS.get(kind.name) is kind else [kind]), *COMPONENTS.values()]
             unique, where = _unique([site for each in kinds for site in each.sites(self.decoder)])
             with torch.no_grad(), capture(unique) as found:
                 model_logits(self.model(self.clean if clean else self.corrupted, **self._arguments()))
-            tensors = [_checked(found, unique, self.batch)[i] for i in where]
+            checked = _checked(found, unique, self.batch)
+            tensors = [checked[i] for i in where]
             for each in kinds:
                 count = len(each.sites(self.decoder))
                 kept.setdefault(each.name, tensors[:count])
