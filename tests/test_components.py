@@ -154,3 +154,16 @@ def test_the_default_preset_beats_attribution_on_the_mlp_outputs_of_smollm2(smol
             found[method].append(float(torch.corrcoef(torch.stack([estimate.flatten(), exact.flatten()]))[0, 1]))
     relp, gradient = (sum(found[method]) / len(pairs) for method in ("relp", "attribution"))
     assert relp > gradient + 0.1, found
+
+
+def test_kinds_that_share_a_site_are_patched_together(llama):
+    """The MLP's output is the site of "mlps" and of "mlp_out": every position of it clean either way."""
+    clean, corrupted = prompts()
+    pair = Patching(llama, clean, corrupted, (ANSWER, FOIL))
+    whole = {0: torch.ones(1, 2, 1, dtype=torch.bool)}
+    positions = {0: torch.zeros(1, 2, 6, dtype=torch.bool)}
+    positions[0][..., :3] = True
+    together = pair.patched_together({COMPONENTS["mlps"]: whole, COMPONENTS["mlp_out"]: positions})
+    torch.testing.assert_close(together, pair.patched("mlps", whole), rtol=1e-12, atol=1e-12)
+    alone = pair.patched("mlp_out", positions)
+    assert not torch.allclose(alone, together)  # the first three positions alone differ
