@@ -19,7 +19,7 @@ Edges need the messages apart: a fused sparse adjacency (``SparseTensor``, ``tor
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +31,13 @@ from relprop.methods._inputs import Target, forward_arguments
 from relprop.methods.attribution import LRP, ForwardPass
 from relprop.methods.targets import output_relevance
 
-__all__ = ["GraphRelevance", "LayerCall", "edge_relevance", "graph_pass", "link_target", "message_passing_layers"]
+__all__ = ["GraphRelevance", "GraphTarget", "LayerCall", "edge_relevance", "graph_pass", "graph_seed", "link_target",
+           "message_passing_layers"]
 
+
+#: what a graph explanation explains: a target of :func:`~relprop.methods.target_mask`, or a function of the
+#: logits returning the seed (the output relevance), for selections a target cannot name
+GraphTarget = Target | Callable[[Tensor], Tensor]
 
 def message_passing_layers(model: nn.Module) -> list[nn.Module]:
     """The message-passing modules of ``model`` (PyG's ``MessagePassing``), outermost ones only.
@@ -238,6 +243,15 @@ class GraphRelevance:
         return self.edge_layers.mean(0)
 
     @property
+    def edge_magnitudes(self) -> Tensor:
+        """How much relevance each edge carries, of either sign: the mean over layers of its ``|relevance|``.
+
+        Relevance of both signs flowing through an edge (evidence for and against the output, which cancel in
+        :attr:`edges`) counts here: it ranks the edges an output depends on.
+        """
+        return self.edge_layers.abs().mean(0)
+
+    @property
     def self_loops(self) -> Tensor:
         """Each node's self relevance, as the mean of its layers'."""
         return self.self_layers.mean(0)
@@ -254,7 +268,7 @@ def _edge_positions(graph: Tensor, used: Tensor, nodes: int) -> Tensor:
     return torch.where(found, order[at] if len(order) else wanted, torch.full_like(wanted, -1))
 
 
-def edge_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: Target,
+def edge_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: GraphTarget,
                    additional_forward_args: Any = None) -> GraphRelevance:
     """Relevance of the nodes and edges of a graph for the output at ``target``.
 
@@ -266,9 +280,10 @@ def edge_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: Target,
         Node features, ``(num_nodes, features)``.
     edge_index : Tensor
         The graph's edges, ``(2, num_edges)``.
-    target : tuple
+    target : tuple or callable
         ``(node, class)`` for node outputs, ``(graph, class)`` for graph outputs, ``(pair,)`` for a link
-        predictor's scores (:func:`link_target`); any target of :func:`~relprop.methods.target_mask`.
+        predictor's scores (:func:`link_target`); any target of :func:`~relprop.methods.target_mask`; or a
+        function of the logits returning the output relevance (:data:`GraphTarget`).
     additional_forward_args : tuple or dict, optional
         Further arguments of the model after ``edge_index`` (``batch``, edge features).
 
@@ -278,7 +293,7 @@ def edge_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: Target,
 
     """
     explained, calls = graph_pass(lrp, x, edge_index, additional_forward_args)
-    seed = output_relevance(explained.logits, _checked(explained.logits, target))
+    seed = graph_seed(explained.logits, target)
     nodes, edges = x.shape[0], edge_index.shape[1]
     messages = [message for call in calls for message in call.messages]
     outputs = [call.output if call.output is not None else torch.zeros(0) for call in calls]
@@ -308,6 +323,13 @@ def edge_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: Target,
                           seed.sum(), [call.name for call in calls])
 
 
-def _checked(logits: Tensor, target: Target) -> Target:
+def graph_seed(logits: Tensor, target: GraphTarget) -> Tensor:
+    """The output relevance for ``target``: :func:`~relprop.methods.output_relevance`, or ``target(logits)``."""
+    if callable(target) and not isinstance(target, Tensor):
+        seed = target(logits.detach())
+        if seed.shape != logits.shape:
+            raise ValueError(f"relprop: the seed of shape {tuple(seed.shape)} does not match the model output of "
+                             f"shape {tuple(logits.shape)}")
+        return seed.detach()
     _check_graph_target(logits, target)
-    return target
+    return output_relevance(logits, target)

@@ -29,10 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from relprop.methods._inputs import Target
 from relprop.methods.attribution import LRP
-from relprop.methods.graphs import LayerCall, _check_graph_target, graph_pass
-from relprop.methods.targets import output_relevance
+from relprop.methods.graphs import GraphTarget, LayerCall, graph_pass, graph_seed
 
 __all__ = ["WalkRelevance", "subgraph_relevance", "top_walks", "walk_relevance"]
 
@@ -59,12 +57,11 @@ class WalkRelevance:
         The backward passes run so far.
     """
 
-    def __init__(self, lrp: LRP, x: Tensor, edge_index: Tensor, target: Target,
+    def __init__(self, lrp: LRP, x: Tensor, edge_index: Tensor, target: GraphTarget,
                  additional_forward_args: Any = None) -> None:
         self._pass, self._calls = graph_pass(lrp, x, edge_index, additional_forward_args, reusable=True,
                                                   masked=True)
-        _check_graph_target(self._pass.logits, target)
-        self._seed = output_relevance(self._pass.logits, target)
+        self._seed = graph_seed(self._pass.logits, target)
         self.nodes = x.shape[0]
         self.layers = len(self._calls)
         self.passes = 0
@@ -174,8 +171,8 @@ def _node_tensor(tensor: Tensor | None, name: str, side: str) -> Tensor:
     return tensor
 
 
-def walk_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: Target, walks: Tensor | Sequence[Sequence[int]],
-                   additional_forward_args: Any = None) -> Tensor:
+def walk_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: GraphTarget,
+                   walks: Tensor | Sequence[Sequence[int]], additional_forward_args: Any = None) -> Tensor:
     """The relevance of each walk of ``walks`` (shape ``(W, L + 1)``): one backward pass each.
     """
     walker = WalkRelevance(lrp, x, edge_index, target, additional_forward_args)
@@ -185,7 +182,7 @@ def walk_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: Target, walk
         walker.close()
 
 
-def subgraph_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: Target, nodes: Tensor | Sequence[int],
+def subgraph_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: GraphTarget, nodes: Tensor | Sequence[int],
                        additional_forward_args: Any = None) -> Tensor:
     """The relevance of the subgraph on ``nodes``: every walk inside it, summed, in one backward pass."""
     walker = WalkRelevance(lrp, x, edge_index, target, additional_forward_args)
@@ -195,7 +192,7 @@ def subgraph_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: Target, 
         walker.close()
 
 
-def top_walks(lrp: LRP, x: Tensor, edge_index: Tensor, target: Target, k: int = 10, beam: int | None = None,
+def top_walks(lrp: LRP, x: Tensor, edge_index: Tensor, target: GraphTarget, k: int = 10, beam: int | None = None,
               absolute: bool = False, additional_forward_args: Any = None) -> tuple[Tensor, Tensor]:
     """The ``k`` most relevant walks and their relevance (see :meth:`WalkRelevance.top`)."""
     walker = WalkRelevance(lrp, x, edge_index, target, additional_forward_args)
