@@ -1,6 +1,7 @@
 """Edge explanations of graph neural networks against the motifs that decide them: relprop and PyG's explainers.
 
-    OMP_NUM_THREADS=1 python benchmarks/graphs.py [--task ba-shapes ba-shapes-gat ba-motifs] [--explained 50]
+    OMP_NUM_THREADS=1 python benchmarks/graphs.py [--task ba-shapes ba-motifs ba-shapes-gat] [--explained 50]
+        [--epochs 100] [--pg-epochs 30] [--seed 0]
 
 Tasks (``relprop.workflows.graphs``, generated, nothing downloaded): ``ba-shapes``, a 3-layer GCN classifying the
 nodes of a 300-node BA graph with 80 houses; ``ba-shapes-gat``, the same with GAT layers; ``ba-motifs``, a 3-layer
@@ -15,8 +16,9 @@ For each method:
   above evidence against it), and the ``|relevance|`` row ranks magnitudes;
 - fidelity+ / fidelity- and the characterization score (PyG's ``fidelity`` and ``characterization_score``) of
   the top 12 edges (a house's 6 undirected edges), averaged before the characterization score;
-- time per explanation (median, seconds), PGExplainer's training apart;
-- for the walks: the share of the top 5 walks (beam 8) whose nodes all lie in the motif, and their time.
+- time per explanation (median, seconds), PGExplainer's training (``--pg-epochs`` over the explained items) apart;
+- for the walks: the share of the top 5 walks (beam 8, ranked by value and by magnitude) whose nodes all lie in
+  the motif, and their time.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from torch_geometric.utils import k_hop_subgraph
 
 import relprop
 from relprop.integrations.pyg import LRPExplainer
+from relprop.methods.walks import top_walks
 from relprop.workflows.graphs import GraphClassifier, NodeClassifier, ba_motifs, ba_shapes, train_graphs, train_nodes
 
 #: relprop's rows: a preset name or a composite, and whether the mask is |relevance|
@@ -54,7 +57,7 @@ PRESETS: dict[str, tuple[Any, bool]] = {
 TOP_EDGES = 12
 
 
-def algorithms(epochs: int) -> dict[str, Callable[[], Any]]:
+def algorithms(epochs: int, pg_epochs: int) -> dict[str, Callable[[], Any]]:
     """Each method's ExplainerAlgorithm, made fresh."""
     made: dict[str, Callable[[], Any]] = {
         name: (lambda composite=composite, magnitude=magnitude: LRPExplainer(composite, magnitude=magnitude))
@@ -62,7 +65,7 @@ def algorithms(epochs: int) -> dict[str, Callable[[], Any]]:
     made["gradient magnitude (Saliency)"] = lambda: CaptumExplainer("Saliency")
     made["Integrated Gradients"] = lambda: CaptumExplainer("IntegratedGradients")
     made[f"GNNExplainer ({epochs} epochs)"] = lambda: GNNExplainer(epochs=epochs)
-    made[f"PGExplainer ({epochs} epochs)"] = lambda: PGExplainer(epochs=epochs, lr=0.003)
+    made[f"PGExplainer ({pg_epochs} epochs)"] = lambda: PGExplainer(epochs=pg_epochs, lr=0.003)
     return made
 
 
@@ -87,7 +90,7 @@ def scores(explainer: Explainer, explanation: Explanation, truth: Tensor, within
     return {"auroc": auroc(explanation.edge_mask[within], truth[within]), "fid+": plus, "fid-": minus}
 
 
-def run_nodes(kind: str, explained: int, epochs: int, seed: int) -> tuple[dict[str, dict[str, Any]], str]:
+def run_nodes(kind: str, explained: int, epochs: tuple[int, int], seed: int) -> tuple[dict[str, dict[str, Any]], str]:
     """Node classification on BA-Shapes with a GCN or a GAT."""
     data = ba_shapes(seed)
     model = NodeClassifier(data.num_features, 4, kind=kind)
@@ -104,7 +107,7 @@ def run_nodes(kind: str, explained: int, epochs: int, seed: int) -> tuple[dict[s
     return evaluate(model, "node", data.x, data.edge_index, data.edge_mask, items, epochs, {}), note
 
 
-def run_graphs(explained: int, epochs: int, seed: int) -> tuple[dict[str, dict[str, Any]], str]:
+def run_graphs(explained: int, epochs: tuple[int, int], seed: int) -> tuple[dict[str, dict[str, Any]], str]:
     """Graph classification on BA graphs with a house or a cycle, with GIN and sum pooling."""
     graphs = ba_motifs(seed)
     model = GraphClassifier(graphs[0].num_features, 2)
@@ -124,15 +127,15 @@ def run_graphs(explained: int, epochs: int, seed: int) -> tuple[dict[str, dict[s
 
 
 def evaluate(model: nn.Module, level: str, x: Tensor, edge_index: Tensor, truth: Tensor,
-             items: list[tuple[dict, Tensor, set[int], dict]], epochs: int,
+             items: list[tuple[dict, Tensor, set[int], dict]], epochs: tuple[int, int],
              keywords: dict[str, Tensor]) -> dict[str, dict[str, list]]:
     """Every method on every item: AUROC, fidelities, time; the walks' share in the motif."""
     results: dict[str, dict[str, list]] = {}
-    for name, make in algorithms(epochs).items():
+    for name, make in algorithms(*epochs).items():
         explainer = explainer_for(make(), model, level)
         if isinstance(explainer.algorithm, PGExplainer):  # trained on the explained items, as PyG's example does
             start = time.perf_counter()
-            for epoch in range(epochs):
+            for epoch in range(epochs[1]):
                 for index, _, _, target in items:
                     explainer.algorithm.train(epoch, model, x, edge_index, target=target["target"],
                                               index=index["index"], **keywords)
@@ -146,22 +149,36 @@ def evaluate(model: nn.Module, level: str, x: Tensor, edge_index: Tensor, truth:
             row.setdefault("time", []).append(elapsed)
             for key, value in scores(explainer, explanation, truth, within).items():
                 row.setdefault(key, []).append(value)
-    for index, _, motif, _ in items:  # the walks
-        lrp = relprop.LRP(model, "epsilon")
+        _forget_mask_parameters(model)
+    for index, _, motif, _ in items:  # the walks, ranked by value and by magnitude
         with torch.no_grad():
             predicted = int(model(x, edge_index, **keywords)[index["index"]].argmax())
-        start = time.perf_counter()
-        walks, _ = relprop.methods.walks.top_walks(lrp, x, edge_index, (index["index"], predicted), k=5, beam=8,
-                                                     additional_forward_args=keywords or None)
-        row = results.setdefault("relprop top 5 walks (epsilon, beam 8)", {})
-        row.setdefault("time", []).append(time.perf_counter() - start)
-        row.setdefault("walks in motif", []).append(sum(set(w.tolist()) <= motif for w in walks) / max(len(walks), 1))
+        for absolute in (False, True):
+            start = time.perf_counter()
+            walks, _ = top_walks(relprop.LRP(model, "epsilon"), x, edge_index,
+                                 (index["index"], predicted), k=5, beam=8, absolute=absolute,
+                                 additional_forward_args=keywords or None)
+            name = f"relprop top 5 walks (epsilon, beam 8{', by |relevance|' if absolute else ''})"
+            row = results.setdefault(name, {})
+            row.setdefault("time", []).append(time.perf_counter() - start)
+            inside = sum(set(walk.tolist()) <= motif for walk in walks) / max(len(walks), 1)
+            row.setdefault("walks in motif", []).append(inside)
     return results
 
 
+def _forget_mask_parameters(model: nn.Module) -> None:
+    """Undo what GNNExplainer and PGExplainer leave behind: their edge mask registered as a parameter of each
+    message-passing layer. PyG's ``clear_masks`` sets it to None but keeps the registration, and ``set_masks``
+    then wraps any later mask into a new ``Parameter``, which is not the tensor captum differentiates: captum's
+    methods with ``edge_mask_type="object"`` fail on the model from then on ("The differentiated Tensor ...
+    appears to not have been used in the graph")."""
+    for module in model.modules():
+        module._parameters.pop("_edge_mask", None)
+
+
 def table(results: dict[str, dict[str, list]]) -> str:
-    lines = ["| method | edge AUROC | fidelity+ | fidelity- | characterization | top walks in motif | s per explanation |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| method | edge AUROC | fidelity+ | fidelity- | characterization | top walks in motif "
+             "| s per explanation |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, row in results.items():
         def mean(key: str) -> float | None:
             values = [v for v in row.get(key, []) if v is not None]
@@ -182,7 +199,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", nargs="+", default=["ba-shapes", "ba-motifs", "ba-shapes-gat"])
     parser.add_argument("--explained", type=int, default=50)
-    parser.add_argument("--epochs", type=int, default=100, help="GNNExplainer's and PGExplainer's training epochs")
+    parser.add_argument("--epochs", type=int, default=100, help="GNNExplainer's epochs per explanation")
+    parser.add_argument("--pg-epochs", type=int, default=30, help="PGExplainer's training epochs")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -190,10 +208,10 @@ def main() -> None:
     for task in args.task:
         torch.manual_seed(args.seed)
         if task == "ba-motifs":
-            results, note = run_graphs(args.explained, args.epochs, args.seed)
+            results, note = run_graphs(args.explained, (args.epochs, args.pg_epochs), args.seed)
         else:
-            results, note = run_nodes("gat" if task.endswith("gat") else "gcn", args.explained, args.epochs,
-                                      args.seed)
+            results, note = run_nodes("gat" if task.endswith("gat") else "gcn", args.explained,
+                                      (args.epochs, args.pg_epochs), args.seed)
         print(f"\n### {task}: {note}\n\n{table(results)}", flush=True)
 
 

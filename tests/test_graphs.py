@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import relprop
-from relprop.methods.graphs import edge_relevance, link_target, message_passing_layers
+from relprop.methods.graphs import GraphModel, edge_relevance, link_target, message_passing_layers
 from relprop.methods.walks import WalkRelevance, subgraph_relevance, top_walks, walk_relevance
 
 pyg = pytest.importorskip("torch_geometric")
@@ -37,6 +37,11 @@ def graph() -> tuple[torch.Tensor, torch.Tensor]:
     pairs = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 0), (0, 3), (1, 4)]
     edges = torch.tensor(pairs + [(b, a) for a, b in pairs]).T
     return torch.randn(NODES, FEATURES), edges
+
+
+def explain(inputs, target, model, *arguments):
+    """LRP-0 of a graph model for ``target`` on its output as one example (``(node, class)``)."""
+    return relprop.LRP(GraphModel(model), LRP0).attribute(inputs, target=target, additional_forward_args=arguments)
 
 
 def held(tensor: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -78,12 +83,12 @@ ATTENTION = {
 }
 
 
-# ---- targets on outputs without a batch dimension ----
+# ---- targets on outputs without a batch dimension (GraphModel: the graph as one example) ----
 
 def test_node_target_is_gradient_times_input():
     x, edges = graph()
     model = TwoLayers(BIAS_FREE["GCNConv"]).eval()
-    relevance = relprop.LRP(model, LRP0).attribute(x, target=(2, 1), additional_forward_args=(edges,))
+    relevance = explain(x, (2, 1), model, edges)
     leaf = x.clone().requires_grad_()
     (gradient,) = torch.autograd.grad(model(leaf, edges)[2, 1], leaf)
     torch.testing.assert_close(relevance, gradient * x, rtol=0, atol=1e-12)
@@ -106,7 +111,7 @@ def test_graph_target_on_a_batch_of_graphs():
             return self.out(gnn.global_add_pool(self.conv(x, edge_index).relu(), batch))
 
     model = Pooled().eval()
-    relevance = relprop.LRP(model, LRP0).attribute(x, target=(1, 0), additional_forward_args=(inside, batch))
+    relevance = explain(x, (1, 0), model, inside, batch)
     assert relevance[:3].abs().max() == 0
     torch.testing.assert_close(relevance.sum(), model(x, inside, batch)[1, 0].detach(), rtol=0, atol=1e-12)
 
@@ -114,10 +119,10 @@ def test_graph_target_on_a_batch_of_graphs():
 def test_a_target_outside_the_graph_is_named():
     x, edges = graph()
     model = TwoLayers(BIAS_FREE["GCNConv"]).eval()
-    with pytest.raises(ValueError, match="names row 6.*has 6 rows"):
+    with pytest.raises(ValueError, match=r"output of shape \(1, 6, 3\): index 6 on dimension 1 of size 6"):
         edge_relevance(relprop.LRP(model), x, edges, (6, 0))
     with pytest.raises(ValueError, match="out of range"):
-        relprop.LRP(model).attribute(x, target=(0, 3), additional_forward_args=(edges,))
+        relprop.LRP(GraphModel(model)).attribute(x, target=(0, 3), additional_forward_args=(edges,))
 
 
 def test_link_target():
@@ -200,7 +205,7 @@ def test_walks_equal_the_brute_force_and_sum_to_the_nodes(layer):
     walks = torch.tensor(list(expected))
     found = walk_relevance(relprop.LRP(model, LRP0), x, edges, target, walks)
     torch.testing.assert_close(found, torch.stack(list(expected.values())), rtol=0, atol=1e-12)
-    nodes = relprop.LRP(model, LRP0).attribute(x, target=target, additional_forward_args=(edges,)).sum(1)
+    nodes = explain(x, target, model, edges).sum(1)
     per_start = torch.zeros(NODES).index_add_(0, walks[:, 0], found)
     torch.testing.assert_close(per_start, nodes, rtol=0, atol=1e-12)
 
@@ -237,7 +242,7 @@ def test_layer_conserves_without_unhandled_ops(layer):
     x, edges = graph()
     make = {**BIAS_FREE, **ATTENTION}[layer]
     model = TwoLayers(make).eval()
-    relevance = relprop.LRP(model, LRP0).attribute(x, target=(0, 1), additional_forward_args=(edges,))
+    relevance = explain(x, (0, 1), model, edges)
     output = model(x, edges)[0, 1].detach()
     torch.testing.assert_close(relevance.sum(), output, rtol=1e-9, atol=1e-12)
     found = edge_relevance(relprop.LRP(model, LRP0), x, edges, (0, 1))
@@ -265,7 +270,7 @@ def test_gine_with_edge_features():
     model = Gine().eval()
     with torch.no_grad():
         model.conv.lin.bias.zero_()  # the edge features' projection: a bias would absorb relevance
-    relevance = relprop.LRP(model, LRP0).attribute((x, attributes), target=(2, 0), additional_forward_args=(edges,))
+    relevance = explain((x, attributes), (2, 0), model, edges)
     found = edge_relevance(relprop.LRP(model, LRP0), x, edges, (2, 0), {"edge_attr": attributes})
     output = model(x, attributes, edges)[2, 0].detach()
     assert len(message_passing_layers(model)) == 1
@@ -292,5 +297,5 @@ def test_global_pooling_conserves(pool):
             return self.out(pooled)
 
     model = Pooled().eval()
-    relevance = relprop.LRP(model, LRP0).attribute(x, target=(0, 1), additional_forward_args=(edges, batch))
+    relevance = explain(x, (0, 1), model, edges, batch)
     torch.testing.assert_close(relevance.sum(), model(x, edges, batch)[0, 1].detach(), rtol=1e-9, atol=1e-12)

@@ -17,8 +17,9 @@ explanation it returns as they read any other::
 The masks hold relevance, signed: positive for evidence of the explained output, negative against it, and
 summing (nodes, or edges with the self-loops) to that output. PyG's masks are importances in [0, 1]; thresholds
 of kind ``"topk"`` and ``"topk_hard"`` rank relevance as they rank those, and ``magnitude=True`` gives masks of
-``|relevance|``, which rank the edges an output depends on, whichever way (docs/guide/graphs.md). The explained output is the model's, as it returns it: LRP
-distributes a logit (``return_type="raw"``) best; probabilities and log-probabilities are explained as values.
+``|relevance|``, which rank the edges an output depends on, whichever way (docs/guide/graphs.md). The explained
+output is the model's, as it returns it: LRP distributes a logit (``return_type="raw"``) best; probabilities and
+log-probabilities are explained as values.
 With ``walks=k`` the explanation also holds the ``k`` most relevant walks (``explanation.walks``,
 ``explanation.walk_relevance``; :func:`relprop.methods.walks.top_walks`).
 """

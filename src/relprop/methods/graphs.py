@@ -3,8 +3,9 @@
 A graph model is called as ``model(x, edge_index, ...)`` on node features ``x`` of shape ``(num_nodes,
 features)``; its output has no batch dimension: ``(num_nodes, classes)`` for node tasks, ``(num_graphs,
 classes)`` for graph tasks (PyG batches graphs by concatenating their nodes), one score per queried pair for
-links. Its target indexes that output whole: ``(node, class)``, ``(graph, class)``, ``(pair,)``
-(:func:`~relprop.methods.target_mask` reads a tuple of as many indices as the output has dimensions so).
+links. The functions here see the whole output as one example, so that a captum-style target indexes it:
+``(node, class)``, ``(graph, class)``, ``(pair,)``; :class:`GraphModel` gives any relprop method that view
+(``relprop.LRP(GraphModel(model)).attribute(x, target=(node, class), additional_forward_args=(edge_index,))``).
 
 The relevance of an edge in a layer is the relevance that flows through its message: PyG computes one message
 per edge (``MessagePassing.message``, shape ``(edges, ...)``) and aggregates them per receiving node, and the
@@ -31,12 +32,13 @@ from relprop.methods._inputs import Target, forward_arguments
 from relprop.methods.attribution import LRP, ForwardPass
 from relprop.methods.targets import output_relevance
 
-__all__ = ["GraphRelevance", "GraphTarget", "LayerCall", "edge_relevance", "graph_pass", "graph_seed", "link_target",
+__all__ = ["GraphModel", "GraphRelevance", "GraphTarget", "LayerCall", "edge_relevance", "graph_pass", "graph_seed", "link_target",
            "message_passing_layers"]
 
 
-#: what a graph explanation explains: a target of :func:`~relprop.methods.target_mask`, or a function of the
-#: logits returning the seed (the output relevance), for selections a target cannot name
+#: what a graph explanation explains: a target of :func:`~relprop.methods.target_mask` on the output seen as one
+#: example, or a function of the logits returning the seed (the output relevance), for selections a target
+#: cannot name
 GraphTarget = Target | Callable[[Tensor], Tensor]
 
 def message_passing_layers(model: nn.Module) -> list[nn.Module]:
@@ -44,12 +46,12 @@ def message_passing_layers(model: nn.Module) -> list[nn.Module]:
 
     Recognised by PyG's message hooks, so that relprop needs no import of torch_geometric here.
     """
-    found: list[nn.Module] = []
+    found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if hasattr(module, "register_message_forward_hook") and hasattr(module, "propagate"):
             if not any(name.startswith(f"{outer}.") for outer, _ in found):
-                found.append((name, module))  # type: ignore[arg-type]
-    return [module for _, module in found]  # type: ignore[misc]
+                found.append((name, module))
+    return [module for _, module in found]
 
 
 @dataclass
@@ -153,13 +155,42 @@ def link_target(edge_label_index: Tensor, source: int, destination: int) -> tupl
     return (int(hits[0, 0]),)
 
 
-def _check_graph_target(logits: Tensor, target: Target) -> None:
-    """A clear error for a node or graph target outside the output (before target_mask's generic one)."""
-    if isinstance(target, tuple) and len(target) == logits.dim() and target and isinstance(target[0], int):
-        rows = logits.shape[0]
-        if not -rows <= target[0] < rows:
-            raise ValueError(f"relprop: target {target!r} names row {target[0]} (a node, graph or pair), but the "
-                             f"model output of shape {tuple(logits.shape)} has {rows} rows")
+class GraphModel(nn.Module):
+    """A graph model seen as a model of one example: its output gains a batch dimension of 1.
+
+    PyG's models return ``(num_nodes, classes)`` or ``(num_graphs, classes)``, without a batch dimension (a batch
+    of graphs is one graph of their nodes), where relprop's methods read the first dimension as the batch, as
+    captum's do. Wrapped, the output is ``(1, num_nodes, classes)``, and a captum-style target indexes it:
+    ``target=(node, class)``. The relevance of the node features keeps their shape.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> import relprop
+    >>> from relprop.methods.graphs import GraphModel
+    >>> class Mean(nn.Module):  # each node's features and its neighbours' mean, then a linear map
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.linear = nn.Linear(2, 3)
+    ...     def forward(self, x, edge_index):
+    ...         summed = torch.zeros_like(x).index_add(0, edge_index[1], x[edge_index[0]])
+    ...         return self.linear(x + summed / 2)
+    >>> x, edge_index = torch.randn(4, 2), torch.tensor([[0, 1, 2, 3], [1, 0, 3, 2]])
+    >>> lrp = relprop.LRP(GraphModel(Mean().eval()))
+    >>> lrp.attribute(x, target=(1, 2), additional_forward_args=(edge_index,)).shape  # node 1, class 2
+    torch.Size([4, 2])
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        output = self.model(*args, **kwargs)
+        if not isinstance(output, Tensor):
+            raise TypeError(f"relprop: GraphModel explains a model returning a tensor, got {type(output).__name__}")
+        return output.unsqueeze(0)
 
 
 def graph_pass(lrp: LRP, x: Tensor, edge_index: Tensor, additional_forward_args: Any = None,
@@ -171,8 +202,9 @@ def graph_pass(lrp: LRP, x: Tensor, edge_index: Tensor, additional_forward_args:
     """
     extra, keywords = forward_arguments(additional_forward_args)
     calls: list[LayerCall] = []
-    if masked and lrp.guard:
-        lrp = LRP(lrp.model, lrp.composite, lrp.strict, guard=False)
+    if isinstance(lrp.model, GraphModel) or (masked and lrp.guard):  # the plain model's output, unbatched
+        model = lrp.model.model if isinstance(lrp.model, GraphModel) else lrp.model
+        lrp = LRP(model, lrp.composite, lrp.strict, guard=lrp.guard and not masked)
     with _recording(lrp.model, calls):
         explained = lrp.record(x, _arguments(edge_index, extra, keywords), reusable=reusable)
     if not calls:
@@ -282,8 +314,9 @@ def edge_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: GraphTarget,
         The graph's edges, ``(2, num_edges)``.
     target : tuple or callable
         ``(node, class)`` for node outputs, ``(graph, class)`` for graph outputs, ``(pair,)`` for a link
-        predictor's scores (:func:`link_target`); any target of :func:`~relprop.methods.target_mask`; or a
-        function of the logits returning the output relevance (:data:`GraphTarget`).
+        predictor's scores (:func:`link_target`): any target of :func:`~relprop.methods.target_mask` on the
+        output seen as one example; or a function of the logits returning the output relevance
+        (:data:`GraphTarget`).
     additional_forward_args : tuple or dict, optional
         Further arguments of the model after ``edge_index`` (``batch``, edge features).
 
@@ -324,12 +357,12 @@ def edge_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: GraphTarget,
 
 
 def graph_seed(logits: Tensor, target: GraphTarget) -> Tensor:
-    """The output relevance for ``target``: :func:`~relprop.methods.output_relevance`, or ``target(logits)``."""
+    """The output relevance for ``target``: ``target(logits)``, or :func:`~relprop.methods.output_relevance` with
+    the output as one example (``(node, class)`` indexes it)."""
     if callable(target) and not isinstance(target, Tensor):
         seed = target(logits.detach())
         if seed.shape != logits.shape:
             raise ValueError(f"relprop: the seed of shape {tuple(seed.shape)} does not match the model output of "
                              f"shape {tuple(logits.shape)}")
         return seed.detach()
-    _check_graph_target(logits, target)
-    return output_relevance(logits, target)
+    return output_relevance(logits.unsqueeze(0), target).squeeze(0)

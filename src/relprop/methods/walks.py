@@ -15,11 +15,15 @@ forward pass), so masking rows commutes with them, and
 Masks that keep a set of rows instead of one give the total relevance of every walk through those rows at once.
 The relevance of a subgraph ``S``, the sum over every walk with all its nodes in ``S``, is therefore one backward
 pass with the rows of ``S`` kept at every layer (the subgraph relevance of Xiong et al. 2022, computed by message
-passing instead of by enumerating the walks), and the relevance of all walks ending in a chosen suffix is one
-pass too: :func:`top_walks` grows walks from the output backwards, one node at a time, keeping the ``beam``
-most relevant suffixes at each layer. A full search (``beam=None``) costs one pass per walk prefix, about
-``n d^L`` passes for ``n`` output nodes of ``d`` neighbours (``d^L`` for one node's output); a beam of width
-``b`` costs at most ``n + b d L`` passes, each one backward pass of the model.
+passing instead of by enumerating the walks), and the relevance arriving at each node of layer ``l``'s input, with a suffix's rows kept
+after it, is at once the relevance of every walk that reaches the suffix through that node. :func:`top_walks`
+grows walks from the output backwards that way: one pass per suffix kept at each layer scores all the nodes
+before it, keeping the ``beam`` most relevant suffixes (by ``|relevance|``) at each layer. Before the last step
+a suffix's relevance is read where it arrives (at the input of its first layer: what the rules' stabilisers and
+biases absorb below it still counts), the walks themselves at layer 1's input, exactly. A full search
+(``beam=None``) costs one pass per suffix of fewer than ``L + 1`` nodes, about ``n d^(L-1)`` passes for ``n``
+output nodes of ``d`` neighbours; a beam of width ``b`` at most ``1 + b L`` passes, each one backward pass of
+the model, whatever the degrees.
 """
 from __future__ import annotations
 
@@ -66,22 +70,22 @@ class WalkRelevance:
         self.layers = len(self._calls)
         self.passes = 0
         self._masks: list[Tensor | None] = [None] * (self.layers + 1)
-        self._read: dict[int, Tensor] = {}  # relevance per node at layer 1's input (0) and at the output (L)
+        self._read: dict[int, Tensor] = {}  # relevance per node arriving at each position, of the last pass
         tensors = [_node_tensor(call.inputs, call.name, "input") for call in self._calls]
         tensors.append(_node_tensor(self._calls[-1].output, self._calls[-1].name, "output"))
         self._handles = [tensor.register_hook(self._mask(position, tensor)) for position, tensor in enumerate(tensors)]
 
     def _mask(self, position: int, tensor: Tensor) -> Any:
-        """The hook at one layer's nodes: keeps the masked rows, and reads the relevance at layer 1's input."""
+        """The hook at one position of the walks: keeps the masked rows, after reading the relevance per node that
+        arrives there (the relevance of every walk through each node, with the positions after it masked)."""
         scale = self._pass.gradient_form
 
         def hook(grad: Tensor) -> Tensor:
             mask = self._masks[position]
             if mask is not None:
                 grad = grad * mask.to(grad.dtype).reshape(-1, *[1] * (grad.dim() - 1))
-            if position in (0, self.layers):
-                relevance = grad * tensor.detach() if scale else grad
-                self._read[position] = relevance.reshape(relevance.shape[0], -1).sum(1)
+            relevance = grad * tensor.detach() if scale else grad
+            self._read[position] = relevance.reshape(relevance.shape[0], -1).sum(1)
             return grad
         return hook
 
@@ -130,21 +134,19 @@ class WalkRelevance:
         """The ``k`` most relevant walks, grown from the output backwards (see the module's notes on the cost).
 
         Returns the walks ``(k, L + 1)`` and their relevance ``(k,)``, most relevant first (by value, or by
-        magnitude with ``absolute``). With ``beam=None`` every walk along the graph's edges is scored: exact.
+        magnitude with ``absolute``). Each pass keeps one suffix's rows and reads the relevance of every node
+        before it at once; with ``beam=None`` every walk along the graph's edges is scored: exact.
         """
-        free: list[Tensor | None] = [None] * self.layers
-        self.relevance(free + [None])  # which nodes' outputs receive relevance at all
-        reached = self._read.get(self.layers, torch.zeros(self.nodes))
-        suffixes = [((node,), self.relevance(free + [self._one(node)]).sum())
-                    for node in reached.nonzero().flatten().tolist()]
+        self.relevance([None] * (self.layers + 1))
+        reached = self._read[self.layers]
+        suffixes: list[tuple[tuple[int, ...], Tensor]] = [
+            ((node,), reached[node]) for node in reached.nonzero().flatten().tolist()]
         for position in range(self.layers - 1, -1, -1):
-            suffixes = _kept(suffixes, beam)
             grown = []
-            for suffix, _ in suffixes:
-                for node in self.predecessors(position, suffix[0]):
-                    walk = (node, *suffix)
-                    masks = [None] * position + [self._one(n) for n in walk]
-                    grown.append((walk, self.relevance(masks).sum()))
+            for suffix, _ in _kept(suffixes, beam):
+                self.relevance([None] * (position + 1) + [self._one(node) for node in suffix])
+                before = self._read[position]
+                grown += [((node, *suffix), before[node]) for node in self.predecessors(position, suffix[0])]
             suffixes = grown
         ranked = sorted(suffixes, key=lambda item: -float(item[1].abs() if absolute else item[1]))[:k]
         walks = torch.tensor([walk for walk, _ in ranked], dtype=torch.long).reshape(-1, self.layers + 1)
