@@ -12,8 +12,10 @@ test split (or test graphs), correctly classified, are explained, each through P
 For each method:
 
 - edge AUROC: the edge mask against the motif's edges, per explained node over the edges of its 3-hop computation
-  graph (per graph over all its edges), averaged; relevance is ranked signed (evidence for the prediction ranks
-  above evidence against it), and the ``|relevance|`` row ranks magnitudes;
+  graph (per graph over all its edges), averaged; "signed" rows rank relevance (evidence for the prediction
+  above evidence against it), "magnitude" rows each layer's ``|relevance|``, averaged (``edge_magnitudes``);
+  "undirected": each mask with both directions of an edge summed (``relprop.methods.graphs.undirected``), as
+  the graphs are undirected and their motif marks both directions;
 - fidelity+ / fidelity- and the characterization score (PyG's ``fidelity`` and ``characterization_score``) of
   the top 12 edges (a house's 6 undirected edges), averaged before the characterization score;
 - time per explanation (median, seconds), PGExplainer's training (``--pg-epochs`` over the explained items) apart;
@@ -27,6 +29,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,18 +42,20 @@ from torch_geometric.utils import k_hop_subgraph
 
 import relprop
 from relprop.integrations.pyg import LRPExplainer
+from relprop.methods.graphs import undirected
 from relprop.methods.walks import top_walks
 from relprop.workflows.graphs import GraphClassifier, NodeClassifier, ba_motifs, ba_shapes, train_graphs, train_nodes
 
 #: relprop's rows: a preset name or a composite, and whether the mask is |relevance|
 PRESETS: dict[str, tuple[Any, bool]] = {
     "relprop epsilon, signed": ("epsilon", False),
-    "relprop epsilon": ("epsilon", True),
-    "relprop epsilon-plus-flat": ("epsilon-plus-flat", True),
-    "relprop cp-lrp": ("cp-lrp", True),
-    "relprop attnlrp": ("attnlrp", True),
-    "relprop gamma 0.25 (dense)": (relprop.composites.Composite(dense=relprop.rules.Gamma(0.25)), True),
-    "relprop z+ (dense), epsilon 0.1": (relprop.composites.Composite(0.1, dense=relprop.rules.ZPlus()), True),
+    "relprop epsilon, magnitude": ("epsilon", True),
+    "relprop epsilon-plus-flat, magnitude": ("epsilon-plus-flat", True),
+    "relprop cp-lrp, magnitude": ("cp-lrp", True),
+    "relprop attnlrp, magnitude": ("attnlrp", True),
+    "relprop gamma 0.25 (dense), magnitude": (relprop.composites.Composite(dense=relprop.rules.Gamma(0.25)), True),
+    "relprop z+ (dense), epsilon 0.1, magnitude": (relprop.composites.Composite(0.1, dense=relprop.rules.ZPlus()),
+                                                   True),
     "relprop z+ (dense), epsilon 0.1, signed": (relprop.composites.Composite(0.1, dense=relprop.rules.ZPlus()),
                                                 False),
 }
@@ -83,28 +88,44 @@ def explainer_for(algorithm: Any, model: nn.Module, level: str) -> Explainer:
                      model_config=dict(mode="multiclass_classification", task_level=level, return_type="raw"))
 
 
-def scores(explainer: Explainer, explanation: Explanation, truth: Tensor, within: Tensor) -> dict[str, Any]:
-    """AUROC on the ``within`` edges, fidelities of the top edges."""
+@dataclass
+class Item:
+    """One explained output: its graph, its index in the output, the ground truth, the edges scored."""
+
+    x: Tensor
+    edge_index: Tensor
+    index: int
+    target: Tensor
+    truth: Tensor
+    within: Tensor
+    motif: set[int]
+    keywords: dict[str, Tensor] = field(default_factory=dict)
+
+
+def scores(explainer: Explainer, explanation: Explanation, item: Item) -> dict[str, Any]:
+    """AUROC on the item's edges (directed, and undirected), fidelities of the top edges."""
     hard = explanation.threshold(dict(threshold_type="topk_hard", value=TOP_EDGES))  # type: ignore[arg-type]
     plus, minus = fidelity(explainer, hard)
-    return {"auroc": auroc(explanation.edge_mask[within], truth[within]), "fid+": plus, "fid-": minus}
+    both = undirected(item.edge_index, explanation.edge_mask)
+    return {"auroc": auroc(explanation.edge_mask[item.within], item.truth[item.within]),
+            "undirected": auroc(both[item.within], item.truth[item.within]), "fid+": plus, "fid-": minus}
 
 
 def run_nodes(kind: str, explained: int, epochs: tuple[int, int], seed: int) -> tuple[dict[str, dict[str, Any]], str]:
-    """Node classification on BA-Shapes with a GCN or a GAT."""
-    data = ba_shapes(seed)
+    """Node classification on BA-Shapes with a GCN, or a GAT (which needs the degree as a feature: attention
+    averages, and constant features would give every node the same embedding)."""
+    data = ba_shapes(seed, degree=kind == "gat")
     model = NodeClassifier(data.num_features, 4, kind=kind)
     accuracy = train_nodes(model, data, epochs=1000)
     with torch.no_grad():
         predicted = model(data.x, data.edge_index).argmax(-1)
     chosen = ((data.y > 0) & data.test_mask & (predicted == data.y)).nonzero().flatten()[:explained]
-    items = []
-    for node in chosen.tolist():
-        _, _, _, within = k_hop_subgraph(node, 3, data.edge_index, num_nodes=data.num_nodes)
-        motif = set(data.node_mask.nonzero().flatten().tolist())
-        items.append(({"index": node}, within, motif, {"target": data.y}))
+    motif = set(data.node_mask.nonzero().flatten().tolist())
+    items = [Item(data.x, data.edge_index, node, data.y, data.edge_mask,
+                  k_hop_subgraph(node, 3, data.edge_index, num_nodes=data.num_nodes)[3], motif)
+             for node in chosen.tolist()]
     note = f"{kind.upper()} test accuracy {accuracy:.3f}, {len(chosen)} motif nodes explained"
-    return evaluate(model, "node", data.x, data.edge_index, data.edge_mask, items, epochs, {}), note
+    return evaluate(model, "node", items, epochs), note
 
 
 def run_graphs(explained: int, epochs: tuple[int, int], seed: int) -> tuple[dict[str, dict[str, Any]], str]:
@@ -113,55 +134,46 @@ def run_graphs(explained: int, epochs: tuple[int, int], seed: int) -> tuple[dict
     model = GraphClassifier(graphs[0].num_features, 2)
     accuracy = train_graphs(model, graphs)
     test = graphs[int(0.8 * len(graphs)):][:explained]
-    results: dict[str, dict[str, Any]] = {}
-    for graph in test:
-        batch = torch.zeros(graph.num_nodes, dtype=torch.long)
-        within = torch.ones(graph.edge_index.shape[1], dtype=torch.bool)
-        motif = set(graph.node_mask.nonzero().flatten().tolist())
-        found = evaluate(model, "graph", graph.x, graph.edge_index, graph.edge_mask,
-                         [({"index": 0}, within, motif, {"target": graph.y})], epochs, {"batch": batch})
-        for name, row in found.items():
-            for key, values in row.items():
-                results.setdefault(name, {}).setdefault(key, []).extend(values)
-    return results, f"GIN test accuracy {accuracy:.3f}, {len(test)} test graphs explained"
+    items = [Item(graph.x, graph.edge_index, 0, graph.y, graph.edge_mask,
+                  torch.ones(graph.edge_index.shape[1], dtype=torch.bool),
+                  set(graph.node_mask.nonzero().flatten().tolist()),
+                  {"batch": torch.zeros(graph.num_nodes, dtype=torch.long)}) for graph in test]
+    note = f"GIN test accuracy {accuracy:.3f}, {len(test)} test graphs explained"
+    return evaluate(model, "graph", items, epochs), note
 
 
-def evaluate(model: nn.Module, level: str, x: Tensor, edge_index: Tensor, truth: Tensor,
-             items: list[tuple[dict, Tensor, set[int], dict]], epochs: tuple[int, int],
-             keywords: dict[str, Tensor]) -> dict[str, dict[str, list]]:
+def evaluate(model: nn.Module, level: str, items: list[Item], epochs: tuple[int, int]) -> dict[str, dict[str, list]]:
     """Every method on every item: AUROC, fidelities, time; the walks' share in the motif."""
     results: dict[str, dict[str, list]] = {}
     for name, make in algorithms(*epochs).items():
         explainer = explainer_for(make(), model, level)
+        row = results.setdefault(name, {"time": []})
         if isinstance(explainer.algorithm, PGExplainer):  # trained on the explained items, as PyG's example does
             start = time.perf_counter()
             for epoch in range(epochs[1]):
-                for index, _, _, target in items:
-                    explainer.algorithm.train(epoch, model, x, edge_index, target=target["target"],
-                                              index=index["index"], **keywords)
-            results.setdefault(name, {})["training"] = [time.perf_counter() - start]
-        for index, within, _, target in items:
-            extra = target if explainer.explanation_type.value == "phenomenon" else {}
+                for item in items:
+                    explainer.algorithm.train(epoch, model, item.x, item.edge_index, target=item.target,
+                                              index=item.index, **item.keywords)
+            row["training"] = [time.perf_counter() - start]
+        for item in items:
+            extra = {"target": item.target} if explainer.explanation_type.value == "phenomenon" else {}
             start = time.perf_counter()
-            explanation = explainer(x, edge_index, **index, **extra, **keywords)
-            elapsed = time.perf_counter() - start
-            row = results.setdefault(name, {})
-            row.setdefault("time", []).append(elapsed)
-            for key, value in scores(explainer, explanation, truth, within).items():
+            explanation = explainer(item.x, item.edge_index, index=item.index, **extra, **item.keywords)
+            row["time"].append(time.perf_counter() - start)
+            for key, value in scores(explainer, explanation, item).items():
                 row.setdefault(key, []).append(value)
         _forget_mask_parameters(model)
-    for index, _, motif, _ in items:  # the walks, ranked by value and by magnitude
+    for item in items:  # the walks, ranked by value and by magnitude
         with torch.no_grad():
-            predicted = int(model(x, edge_index, **keywords)[index["index"]].argmax())
+            predicted = int(model(item.x, item.edge_index, **item.keywords)[item.index].argmax())
         for absolute in (False, True):
             start = time.perf_counter()
-            walks, _ = top_walks(relprop.LRP(model, "epsilon"), x, edge_index,
-                                 (index["index"], predicted), k=5, beam=8, absolute=absolute,
-                                 additional_forward_args=keywords or None)
-            name = f"relprop top 5 walks (epsilon, beam 8{', by |relevance|' if absolute else ''})"
-            row = results.setdefault(name, {})
-            row.setdefault("time", []).append(time.perf_counter() - start)
-            inside = sum(set(walk.tolist()) <= motif for walk in walks) / max(len(walks), 1)
+            walks, _ = top_walks(relprop.LRP(model, "epsilon"), item.x, item.edge_index, (item.index, predicted), k=5,
+                                 beam=8, absolute=absolute, additional_forward_args=item.keywords or None)
+            row = results.setdefault(f"relprop top 5 walks (epsilon, beam 8{', by magnitude' if absolute else ''})",
+                                     {"time": []})
+            row["time"].append(time.perf_counter() - start)
+            inside = sum(set(walk.tolist()) <= item.motif for walk in walks) / max(len(walks), 1)
             row.setdefault("walks in motif", []).append(inside)
     return results
 
@@ -177,8 +189,8 @@ def _forget_mask_parameters(model: nn.Module) -> None:
 
 
 def table(results: dict[str, dict[str, list]]) -> str:
-    lines = ["| method | edge AUROC | fidelity+ | fidelity- | characterization | top walks in motif "
-             "| s per explanation |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| method | edge AUROC | undirected | fidelity+ | fidelity- | characterization | top walks in motif "
+             "| s per explanation |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, row in results.items():
         def mean(key: str) -> float | None:
             values = [v for v in row.get(key, []) if v is not None]
@@ -186,9 +198,9 @@ def table(results: dict[str, dict[str, list]]) -> str:
         plus, minus = mean("fid+"), mean("fid-")
         character = (float(characterization_score(torch.tensor(plus), torch.tensor(minus)))
                      if plus and minus is not None and minus < 1 else None)
-        cells = [mean("auroc"), plus, minus, character, mean("walks in motif")]
+        cells = [mean("auroc"), mean("undirected"), plus, minus, character, mean("walks in motif")]
         text = ["" if value is None else f"{value:.3f}" for value in cells]
-        seconds = f"{statistics.median(row['time']):.4f}"
+        seconds = f"{statistics.median(row['time']):.4f}" if row["time"] else ""
         if "training" in row:
             seconds += f" (+ {row['training'][0]:.1f} training)"
         lines.append(f"| {name} | " + " | ".join(text) + f" | {seconds} |")

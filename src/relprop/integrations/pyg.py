@@ -40,7 +40,7 @@ except ModuleNotFoundError as error:  # an optional integration: say how to inst
 
 from relprop import composites
 from relprop.methods import LRP
-from relprop.methods.graphs import edge_relevance
+from relprop.methods.graphs import edge_relevance, undirected
 from relprop.methods.walks import WalkRelevance
 
 __all__ = ["LRPExplainer"]
@@ -60,6 +60,9 @@ class LRPExplainer(ExplainerAlgorithm):
         Also find this many most relevant walks (0: none).
     beam : int or None
         The beam of the walk search (None: exhaustive, exact; see :mod:`relprop.methods.walks`).
+    undirected : bool
+        Give both directions of an edge their sum (:func:`~relprop.methods.graphs.undirected`): the relevance of
+        an undirected edge, for graphs stored with both directions.
     **lrp : Any
         Further arguments of :class:`~relprop.LRP` (``strict``, ``guard``).
 
@@ -72,12 +75,13 @@ class LRPExplainer(ExplainerAlgorithm):
     """
 
     def __init__(self, composite: composites.Composite | str | None = None, magnitude: bool = False, walks: int = 0,
-                 beam: int | None = 8, **lrp: Any) -> None:
+                 beam: int | None = 8, undirected: bool = False, **lrp: Any) -> None:
         super().__init__()
         self.composite = composites.get(composite)
         self.magnitude = magnitude
         self.walks = walks
         self.beam = beam
+        self.undirected = undirected
         self.lrp = lrp
 
     def supports(self) -> bool:
@@ -98,6 +102,7 @@ class LRPExplainer(ExplainerAlgorithm):
         seed = _Seed(target, index, self.model_config.mode == ModelMode.multiclass_classification)
         found = edge_relevance(lrp, x, edge_index, seed, kwargs or None)
         edges = found.edge_magnitudes if self.magnitude else found.edges
+        edges = undirected(edge_index, edges) if self.undirected else edges
         explanation = Explanation(node_mask=self._node_mask(found.features), edge_mask=edges.detach())
         if self.walks:
             walker = WalkRelevance(lrp, x, edge_index, seed, kwargs or None)

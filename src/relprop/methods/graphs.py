@@ -33,7 +33,7 @@ from relprop.methods.attribution import LRP, ForwardPass
 from relprop.methods.targets import output_relevance
 
 __all__ = ["GraphModel", "GraphRelevance", "GraphTarget", "LayerCall", "edge_relevance", "graph_pass", "graph_seed", "link_target",
-           "message_passing_layers"]
+           "message_passing_layers", "undirected"]
 
 
 #: what a graph explanation explains: a target of :func:`~relprop.methods.target_mask` on the output seen as one
@@ -298,6 +298,25 @@ def _edge_positions(graph: Tensor, used: Tensor, nodes: int) -> Tensor:
     at = torch.searchsorted(sorted_keys, wanted).clamp(max=max(len(sorted_keys) - 1, 0))
     found = (sorted_keys[at] == wanted) if len(sorted_keys) else torch.zeros_like(wanted, dtype=torch.bool)
     return torch.where(found, order[at] if len(order) else wanted, torch.full_like(wanted, -1))
+
+
+def undirected(edge_index: Tensor, values: Tensor) -> Tensor:
+    """Each edge's value plus its reverse edge's: an undirected edge's, where the graph stores it as two directed
+    edges (as PyG stores undirected graphs). An edge without a reverse, or a self-loop, keeps its own value.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from relprop.methods.graphs import undirected
+    >>> undirected(torch.tensor([[0, 1, 1], [1, 0, 2]]), torch.tensor([1.0, 2.0, 5.0]))
+    tensor([3., 3., 5.])
+    """
+    nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
+    reverse = _edge_positions(edge_index, edge_index.flip(0), nodes)
+    paired = (reverse >= 0) & (edge_index[0] != edge_index[1])
+    result = values.clone()
+    result[paired] += values[reverse[paired]]
+    return result
 
 
 def edge_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: GraphTarget,

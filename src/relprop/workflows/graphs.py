@@ -29,12 +29,15 @@ except ModuleNotFoundError as error:  # an optional workflow: say how to install
 __all__ = ["NodeClassifier", "GraphClassifier", "ba_motifs", "ba_shapes", "train_graphs", "train_nodes"]
 
 
-def ba_shapes(seed: int = 0, nodes: int = 300, motifs: int = 80) -> Data:
-    """BA-Shapes: ``nodes`` BA nodes (5 edges each), ``motifs`` houses; 10 constant features; a split of the nodes
-    into ``train_mask`` (80%) and ``test_mask``."""
+def ba_shapes(seed: int = 0, nodes: int = 300, motifs: int = 80, degree: bool = False) -> Data:
+    """BA-Shapes: ``nodes`` BA nodes (5 edges each), ``motifs`` houses; 10 constant features (with ``degree``, the
+    first is each node's degree over 10 instead); a split of the nodes into ``train_mask`` (80%) and
+    ``test_mask``."""
     torch.manual_seed(seed)
     data = ExplainerDataset(BAGraph(num_nodes=nodes, num_edges=5), HouseMotif(), num_motifs=motifs)[0]
     data.x = torch.ones(data.num_nodes, 10)
+    if degree:
+        data.x[:, 0] = torch.bincount(data.edge_index[1], minlength=data.num_nodes) / 10
     order = torch.randperm(data.num_nodes)
     data.train_mask = torch.zeros(data.num_nodes, dtype=torch.bool)
     data.train_mask[order[: int(0.8 * data.num_nodes)]] = True
@@ -60,7 +63,7 @@ def ba_motifs(seed: int = 0, graphs: int = 400, nodes: int = 20) -> list[Data]:
 class NodeClassifier(nn.Module):
     """Three message-passing layers of ``hidden`` features with ReLUs, and a linear read-out per node.
 
-    ``kind``: ``"gcn"`` (GCNConv) or ``"gat"`` (GATConv, 2 heads averaged... concatenated then read out).
+    ``kind``: ``"gcn"`` (GCNConv) or ``"gat"`` (GATConv, one attention head).
     """
 
     def __init__(self, features: int, classes: int, hidden: int = 20, kind: str = "gcn") -> None:
