@@ -60,7 +60,8 @@ class LayerCall:
 
     Attributes
     ----------
-    module : nn.Module
+    layer : nn.Module
+        The message-passing module.
     name : str
         The module's path in the model.
     inputs : Tensor or None
@@ -73,7 +74,7 @@ class LayerCall:
         The messages of each ``propagate`` call, edges along ``node_dim``.
     """
 
-    module: nn.Module
+    layer: nn.Module
     name: str
     inputs: Tensor | None = None
     output: Tensor | None = None
@@ -83,12 +84,12 @@ class LayerCall:
     def receivers(self, propagation: int) -> Tensor:
         """The receiving node of each edge of one ``propagate`` call (by the module's ``flow``)."""
         edges = self.edge_index[propagation]
-        return edges[1] if getattr(self.module, "flow", "source_to_target") == "source_to_target" else edges[0]
+        return edges[1] if getattr(self.layer, "flow", "source_to_target") == "source_to_target" else edges[0]
 
     def senders(self, propagation: int) -> Tensor:
         """The sending node of each edge of one ``propagate`` call."""
         edges = self.edge_index[propagation]
-        return edges[0] if getattr(self.module, "flow", "source_to_target") == "source_to_target" else edges[1]
+        return edges[0] if getattr(self.layer, "flow", "source_to_target") == "source_to_target" else edges[1]
 
 
 def _dense_edges(module: nn.Module, name: str, edge_index: Any) -> Tensor:
@@ -120,11 +121,11 @@ def _recording(model: nn.Module, calls: list[LayerCall]) -> Iterator[None]:
         call.output = output if isinstance(output, Tensor) else None
 
     def propagate(module: nn.Module, inputs: tuple) -> None:
-        if active and active[-1].module is module:
+        if active and active[-1].layer is module:
             active[-1].edge_index.append(_dense_edges(module, active[-1].name, inputs[0]))
 
     def message(module: nn.Module, inputs: tuple, output: Tensor) -> None:
-        if active and active[-1].module is module:
+        if active and active[-1].layer is module:
             call = active[-1]
             if len(call.messages) < len(call.edge_index):
                 call.messages.append(output)
@@ -361,7 +362,7 @@ def edge_relevance(lrp: LRP, x: Tensor, edge_index: Tensor, target: GraphTarget,
     position = 0
     for layer, call in enumerate(calls):
         for propagation, used in enumerate(call.edge_index):
-            node_dim = getattr(call.module, "node_dim", -2) % call.messages[propagation].dim()
+            node_dim = getattr(call.layer, "node_dim", -2) % call.messages[propagation].dim()
             relevance = _per_row(found.get(position), used.shape[1], node_dim).to(features.dtype)
             columns = _edge_positions(edge_index, used, nodes)
             graph_edge = (columns >= 0) & (used[0] != used[1])

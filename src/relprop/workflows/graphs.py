@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 try:
+    from torch_geometric import seed_everything
     from torch_geometric.data import Batch, Data
     from torch_geometric.datasets import ExplainerDataset
     from torch_geometric.datasets.graph_generator import BAGraph
@@ -33,7 +34,7 @@ def ba_shapes(seed: int = 0, nodes: int = 300, motifs: int = 80, degree: bool = 
     """BA-Shapes: ``nodes`` BA nodes (5 edges each), ``motifs`` houses; 10 constant features (with ``degree``, the
     first is each node's degree over 10 instead); a split of the nodes into ``train_mask`` (80%) and
     ``test_mask``."""
-    torch.manual_seed(seed)
+    seed_everything(seed)  # PyG's BA generator draws from numpy
     data = ExplainerDataset(BAGraph(num_nodes=nodes, num_edges=5), HouseMotif(), num_motifs=motifs)[0]
     data.x = torch.ones(data.num_nodes, 10)
     if degree:
@@ -48,7 +49,7 @@ def ba_shapes(seed: int = 0, nodes: int = 300, motifs: int = 80, degree: bool = 
 def ba_motifs(seed: int = 0, graphs: int = 400, nodes: int = 20) -> list[Data]:
     """Graphs of ``nodes`` BA nodes (one edge each) with a house (label 0) or a 5-cycle (label 1) attached, half
     each; 10 constant features."""
-    torch.manual_seed(seed)
+    seed_everything(seed)
     found = []
     for label, motif in enumerate((HouseMotif(), CycleMotif(5))):
         for data in ExplainerDataset(BAGraph(num_nodes=nodes, num_edges=1), motif, num_motifs=1,
