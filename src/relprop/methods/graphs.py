@@ -133,9 +133,9 @@ def _recording(model: nn.Module, calls: list[LayerCall]) -> Iterator[None]:
                 call.messages[-1] = torch.cat([call.messages[-1], output], dim=-1)
 
     for module in message_passing_layers(model):
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post),
-                    module.register_propagate_forward_pre_hook(propagate),  # type: ignore[operator]
-                    module.register_message_forward_hook(message)]  # type: ignore[operator]
+        layer: Any = module  # a MessagePassing: its own hooks are no nn.Module's
+        handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post),
+                    layer.register_propagate_forward_pre_hook(propagate), layer.register_message_forward_hook(message)]
     try:
         yield
     finally:
