@@ -8,6 +8,7 @@ layer (a brute-force enumeration through plain autograd, independent of relprop'
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -181,6 +182,13 @@ def test_sparse_adjacency_is_refused_for_edges():
     adjacency = torch.sparse_coo_tensor(edges.flip(0), torch.ones(edges.shape[1]), (NODES, NODES))
     with pytest.raises(TypeError, match="module 'conv1' propagates over a sparse adjacency"):
         edge_relevance(relprop.LRP(model), x, adjacency, (0, 0))
+    # node relevance: the sparse product has no rule, which is said with its module
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        explain(x, (0, 0), model, adjacency)
+    said = {str(warning.message) for warning in caught if warning.category is relprop.UnhandledOpWarning}
+    assert {f"relprop: no rule for torch._C._sparse._sparse_mm in module 'model.conv{i}'; its plain gradient was used"
+            for i in (1, 2)} <= said
 
 
 # ---- walks ----

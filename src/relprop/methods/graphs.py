@@ -186,6 +186,7 @@ class GraphModel(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.train(model.training)  # in the model's mode, so that relprop says nothing a plain call would not
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         output = self.model(*args, **kwargs)
