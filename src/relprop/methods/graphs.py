@@ -32,8 +32,8 @@ from relprop.methods._inputs import Target, forward_arguments
 from relprop.methods.attribution import LRP, ForwardPass
 from relprop.methods.targets import output_relevance
 
-__all__ = ["GraphModel", "GraphRelevance", "GraphTarget", "LayerCall", "edge_relevance", "graph_pass", "graph_seed", "link_target",
-           "message_passing_layers", "undirected"]
+__all__ = ["GraphModel", "GraphRelevance", "GraphTarget", "LayerCall", "edge_relevance", "graph_pass", "graph_seed",
+           "link_target", "message_passing_layers", "undirected"]
 
 
 #: what a graph explanation explains: a target of :func:`~relprop.methods.target_mask` on the output seen as one
