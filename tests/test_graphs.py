@@ -174,6 +174,8 @@ def test_edge_relevance_is_the_gradient_of_per_layer_edge_weights():
     gradients = torch.autograd.grad(model(x, edges, weights)[4, 0], weights)
     torch.testing.assert_close(found.edge_layers, torch.stack(gradients), rtol=0, atol=1e-12)
     assert found.edge_magnitudes.min() >= 0
+    wrapped = edge_relevance(relprop.LRP(GraphModel(model), LRP0), x, edges, (4, 0))  # the plain model's edges
+    assert wrapped.layers == ["conv1", "conv2"] and torch.equal(wrapped.edge_layers, found.edge_layers)
 
 
 def test_sparse_adjacency_is_refused_for_edges():
