@@ -41,6 +41,7 @@ __all__ = ["GraphModel", "GraphRelevance", "GraphTarget", "LayerCall", "edge_rel
 #: cannot name
 GraphTarget = Target | Callable[[Tensor], Tensor]
 
+
 def message_passing_layers(model: nn.Module) -> list[nn.Module]:
     """The message-passing modules of ``model`` (PyG's ``MessagePassing``), outermost ones only.
 
@@ -216,12 +217,8 @@ def graph_pass(lrp: LRP, x: Tensor, edge_index: Tensor, additional_forward_args:
 
 
 def _arguments(edge_index: Tensor, extra: tuple, keywords: dict[str, Any]) -> Any:
-    """``(edge_index, *extra)`` as additional forward arguments, with keywords where there are some."""
-    if not keywords:
-        return (edge_index, *extra)
-    if extra:
-        raise TypeError("relprop: pass further model arguments either as a tuple or as a dict, not both")
-    return {"edge_index": edge_index, **keywords}
+    """The model's further arguments: ``(edge_index, *extra)``, or keywords with ``edge_index`` among them."""
+    return {"edge_index": edge_index, **keywords} if keywords else (edge_index, *extra)
 
 
 def _grab(tensors: Sequence[Tensor], found: dict[int, Tensor], scale: bool) -> list[Any]:
