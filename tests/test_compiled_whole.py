@@ -159,17 +159,3 @@ def test_a_model_that_writes_into_its_logits():
         reference = relprop.LRP(model, "epsilon").attribute(x, target=1)
     assert lrp.compiled.split is not None and "Tensor.mul" in lrp.compiled.fallback
     assert_same(relevance, reference)
-
-
-def test_a_target_into_every_dimension_is_one_program():
-    """A graph's output has no batch dimension: ``(node, class)`` indexes both, in the program as under
-    interception."""
-    model = mlp()
-    x = torch.randn(12, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    lrp = relprop.LRP(model, "epsilon", compile="aot_eager")
-    for target in ((5, 2), (-1, 0)):
-        relevance = lrp.attribute(x, target=target)
-        assert lrp.compiled.split is None
-        assert_same(relevance, relprop.LRP(model, "epsilon").attribute(x, target=target))
-    with pytest.raises(ValueError, match=r"shape \(12, 3\): index 12 on dimension 0"):
-        lrp.attribute(x, target=(12, 0))

@@ -8,6 +8,7 @@ layer (a brute-force enumeration through plain autograd, independent of relprop'
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -173,6 +174,8 @@ def test_edge_relevance_is_the_gradient_of_per_layer_edge_weights():
     gradients = torch.autograd.grad(model(x, edges, weights)[4, 0], weights)
     torch.testing.assert_close(found.edge_layers, torch.stack(gradients), rtol=0, atol=1e-12)
     assert found.edge_magnitudes.min() >= 0
+    wrapped = edge_relevance(relprop.LRP(GraphModel(model), LRP0), x, edges, (4, 0))  # the plain model's edges
+    assert wrapped.layers == ["conv1", "conv2"] and torch.equal(wrapped.edge_layers, found.edge_layers)
 
 
 def test_sparse_adjacency_is_refused_for_edges():
@@ -181,6 +184,13 @@ def test_sparse_adjacency_is_refused_for_edges():
     adjacency = torch.sparse_coo_tensor(edges.flip(0), torch.ones(edges.shape[1]), (NODES, NODES))
     with pytest.raises(TypeError, match="module 'conv1' propagates over a sparse adjacency"):
         edge_relevance(relprop.LRP(model), x, adjacency, (0, 0))
+    # node relevance: the sparse product has no rule, which is said with its module
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        explain(x, (0, 0), model, adjacency)
+    said = {str(warning.message) for warning in caught if warning.category is relprop.UnhandledOpWarning}
+    assert {f"relprop: no rule for torch._C._sparse._sparse_mm in module 'model.conv{i}'; its plain gradient was used"
+            for i in (1, 2)} <= said
 
 
 # ---- walks ----

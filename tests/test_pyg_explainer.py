@@ -52,7 +52,7 @@ def test_explainer_gives_relevance_and_pyg_metrics_read_it(small_ba_shapes):
         assert 0 < float(characterization_score(torch.tensor(plus), torch.tensor(minus))) <= 1
 
 
-def test_magnitudes_and_node_mask_types(small_ba_shapes):
+def test_magnitudes_and_node_mask_types(small_ba_shapes, tmp_path):
     data, model = small_ba_shapes
     node = int(data.node_mask.nonzero()[0])
     masks = {}
@@ -63,6 +63,8 @@ def test_magnitudes_and_node_mask_types(small_ba_shapes):
     assert masks["object"].node_mask.shape == (data.num_nodes, 1)
     assert masks["common_attributes"].node_mask.shape == (1, data.num_features)
     assert masks["object"].edge_mask.min() >= 0
+    masks["object"].visualize_graph(str(tmp_path / "pyg.png"), backend="networkx")  # PyG's picture reads it
+    assert (tmp_path / "pyg.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="outside the model output"):
         masks["object"] = Explainer(model, LRPExplainer(), explanation_type="model", node_mask_type="object",
                                     edge_mask_type="object", model_config=CONFIG)(data.x, data.edge_index,

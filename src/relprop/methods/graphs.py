@@ -32,14 +32,15 @@ from relprop.methods._inputs import Target, forward_arguments
 from relprop.methods.attribution import LRP, ForwardPass
 from relprop.methods.targets import output_relevance
 
-__all__ = ["GraphModel", "GraphRelevance", "GraphTarget", "LayerCall", "edge_relevance", "graph_pass", "graph_seed", "link_target",
-           "message_passing_layers", "undirected"]
+__all__ = ["GraphModel", "GraphRelevance", "GraphTarget", "LayerCall", "edge_relevance", "graph_pass", "graph_seed",
+           "link_target", "message_passing_layers", "undirected"]
 
 
 #: what a graph explanation explains: a target of :func:`~relprop.methods.target_mask` on the output seen as one
 #: example, or a function of the logits returning the seed (the output relevance), for selections a target
 #: cannot name
 GraphTarget = Target | Callable[[Tensor], Tensor]
+
 
 def message_passing_layers(model: nn.Module) -> list[nn.Module]:
     """The message-passing modules of ``model`` (PyG's ``MessagePassing``), outermost ones only.
@@ -186,6 +187,7 @@ class GraphModel(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.train(model.training)  # in the model's mode, so that relprop says nothing a plain call would not
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         output = self.model(*args, **kwargs)
@@ -215,12 +217,8 @@ def graph_pass(lrp: LRP, x: Tensor, edge_index: Tensor, additional_forward_args:
 
 
 def _arguments(edge_index: Tensor, extra: tuple, keywords: dict[str, Any]) -> Any:
-    """``(edge_index, *extra)`` as additional forward arguments, with keywords where there are some."""
-    if not keywords:
-        return (edge_index, *extra)
-    if extra:
-        raise TypeError("relprop: pass further model arguments either as a tuple or as a dict, not both")
-    return {"edge_index": edge_index, **keywords}
+    """The model's further arguments: ``(edge_index, *extra)``, or keywords with ``edge_index`` among them."""
+    return {"edge_index": edge_index, **keywords} if keywords else (edge_index, *extra)
 
 
 def _grab(tensors: Sequence[Tensor], found: dict[int, Tensor], scale: bool) -> list[Any]:

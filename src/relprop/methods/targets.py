@@ -87,9 +87,7 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
     ``target`` is None (one output per example), an int (the class along
     dimension 1), a tuple indexing the dimensions after the batch dimension
     (``(-1, token)``), or a list / 1-D integer tensor with one such target per
-    example. A tuple of as many indices as the output has dimensions indexes
-    an output without a batch dimension (``(node, class)`` on a graph's
-    ``(num_nodes, classes)``). A list or tensor of one target is used for every example, as
+    example. A list or tensor of one target is used for every example, as
     captum does (``torch.tensor([2])`` for a batch of 4). An entry of a tuple
     may itself hold one index per example (``(-1, next_tokens)``, a 1-D
     integer tensor or a list).
@@ -103,13 +101,6 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
         mask.fill_(True)
     elif isinstance(target, tuple) and any(_per_example(value) for value in target):
         return target_mask(output, _per_example_targets(target, batch))
-    elif isinstance(target, tuple) and len(target) == output.dim() and all(_is_index(value) for value in target):
-        # an index into every dimension: an output without a batch dimension (a graph's nodes, PyG)
-        for dim, (value, size) in enumerate(zip(target, output.shape)):
-            if not -size <= int(value) < size:
-                raise ValueError(f"relprop: target {target!r} is out of range for the model output of shape "
-                                 f"{tuple(output.shape)}: index {int(value)} on dimension {dim} of size {size}")
-        mask[tuple(int(value) for value in target)] = True
     elif _is_index(target) or isinstance(target, tuple):
         index = _check_index(target if isinstance(target, tuple) else (target,), output.shape, target)
         key: tuple[slice | int, ...] = (slice(None), *index)
@@ -164,12 +155,6 @@ def selection_mask(output: Tensor, indices: tuple[Tensor, ...]) -> Tensor:
     indices in range: a compiled program checks them against ``target_mask`` after it ran). Comparisons with
     positions only, so that it compiles for any values."""
     mask = torch.ones_like(output, dtype=torch.bool)
-    if len(indices) == output.dim():  # an index into every dimension: an output without a batch dimension
-        for dim, index in enumerate(indices):
-            size = output.shape[dim]
-            hit = (torch.arange(size, device=output.device) == (index.to(output.device) % size).unsqueeze(1)).any(0)
-            mask = mask & hit.reshape([size if d == dim else 1 for d in range(output.dim())])
-        return mask
     for dim, index in enumerate(indices, start=1):
         size = output.shape[dim]
         hit = torch.arange(size, device=output.device) == (index.to(output.device) % size).unsqueeze(1)

@@ -15,8 +15,9 @@ forward pass), so masking rows commutes with them, and
 Masks that keep a set of rows instead of one give the total relevance of every walk through those rows at once.
 The relevance of a subgraph ``S``, the sum over every walk with all its nodes in ``S``, is therefore one backward
 pass with the rows of ``S`` kept at every layer (the subgraph relevance of Xiong et al. 2022, computed by message
-passing instead of by enumerating the walks), and the relevance arriving at each node of layer ``l``'s input, with a suffix's rows kept
-after it, is at once the relevance of every walk that reaches the suffix through that node. :func:`top_walks`
+passing instead of by enumerating the walks), and the relevance arriving at each node of layer ``l``'s input,
+with a suffix's rows kept after it, is at once the relevance of every walk that reaches the suffix through that
+node. :func:`top_walks`
 grows walks from the output backwards that way: one pass per suffix kept at each layer scores all the nodes
 before it, keeping the ``beam`` most relevant suffixes (by ``|relevance|``) at each layer. Before the last step
 a suffix's relevance is read where it arrives (at the input of its first layer: what the rules' stabilisers and
