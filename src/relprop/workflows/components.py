@@ -83,14 +83,16 @@ class Heads(Component):
 
     def reduce(self, product: Tensor, decoder: Decoder) -> Tensor:
         """Summed over positions and each head's slice: ``(B, heads)``."""
-        batch, length, _ = product.shape
-        return product.view(batch, length, decoder.head_count, -1).sum((1, 3))
+        batch, length = product.shape[:2]
+        return product.reshape(batch, length, decoder.head_count, -1).sum((1, 3))
 
     def select(self, mask: Tensor, tensor: Tensor, decoder: Decoder) -> Tensor:
-        """Each head's slice at every position."""
-        rows, length, width = tensor.shape
+        """Each head's slice at every position (of ``(N, T, width)``, or of TransformerLens's ``(N, T, heads,
+        d_head)``)."""
+        rows, length = tensor.shape[:2]
         heads = decoder.head_count
-        return mask.view(rows, 1, heads, 1).expand(rows, length, heads, width // heads).reshape(tensor.shape)
+        return mask.view(rows, 1, heads, 1).expand(rows, length, heads, tensor[0, 0].numel() // heads
+                                                   ).reshape(tensor.shape)
 
 
 class Whole(Component):

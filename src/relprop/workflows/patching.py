@@ -28,7 +28,7 @@ pass for every component at once.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Union
 
@@ -42,6 +42,8 @@ from relprop.methods.attribution import LRP
 from relprop.methods.targets import model_logits
 from relprop.workflows.components import COMPONENTS, Component, resolve
 from relprop.workflows.decoders import Decoder, Site, capture, find_decoder, replace
+from relprop.workflows.features import with_features
+from relprop.workflows.lens import hooked_decoder, is_hooked
 
 __all__ = ["COMPONENTS", "METHODS", "Patching", "patching", "recovery"]
 
@@ -113,7 +115,7 @@ class Patching:
             raise ValueError(f"relprop: attention_mask has shape {tuple(attention_mask.shape)}; the prompts have "
                              f"{tuple(clean.shape)}")
         self.model = model
-        self.decoder: Decoder = find_decoder(model)
+        self.decoder: Decoder = hooked_decoder(model) if is_hooked(model) else find_decoder(model)
         self.clean, self.corrupted = clean.long(), corrupted.long()
         self.attention_mask = attention_mask
         self.batch, self.length = clean.shape
@@ -193,7 +195,7 @@ class Patching:
         """The edit of one site: its clean entries where ``mask`` (``(K, B, units)``) chooses a unit."""
         def patch(tensor: Tensor) -> Tensor:
             rows = mask.reshape(copies * self.batch, -1).to(tensor.device)
-            source = clean.repeat(copies, 1, 1)
+            source = clean.repeat(copies, *[1] * (clean.dim() - 1))
             return torch.where(kind.select(rows, tensor, self.decoder), source.view_as(tensor), tensor)
         return patch
 
@@ -310,12 +312,13 @@ def _parameters(model: nn.Module) -> set[str]:
 
 
 def _checked(found: Sequence[Tensor | None], sites: Sequence[Site], batch: int) -> list[Tensor]:
-    """The tensors captured at ``sites``, each ``(B, T, width)``; an error naming a site that did not run."""
+    """The tensors captured at ``sites``, each ``(B, T, width)`` (or ``(B, T, heads, d_head)``, TransformerLens's
+    ``hook_z``); an error naming a site that did not run."""
     tensors = []
     for tensor, site in zip(found, sites):
         if tensor is None:
             raise ValueError(f"relprop: {site.name} did not run in the forward pass")
-        if tensor.dim() != 3 or tensor.shape[0] != batch:
+        if tensor.dim() not in (3, 4) or tensor.shape[0] != batch:
             raise ValueError(f"relprop: patching expects a (batch, length, width) tensor at {site.name}, found "
                              f"{tuple(tensor.shape)}")
         tensors.append(tensor)
@@ -335,8 +338,8 @@ RELP_AT = "corrupted"
 
 def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target: PatchTarget, *,
              components: str | Component | Sequence[str | Component] = "heads", method: str = "relp",
-             composite: composites.Composite | str = "attnlrp",
-             attention_mask: Tensor | None = None) -> Tensor | dict[str, Tensor]:
+             composite: composites.Composite | str = "attnlrp", attention_mask: Tensor | None = None,
+             features: Mapping[str, Any] | None = None) -> Tensor | dict[str, Tensor]:
     """The effect of each head, MLP or residual position on a metric: patched, or estimated by gradient or LRP.
 
     The effect of a component is ``m(corrupted run, that component's activation from the clean run) -
@@ -347,7 +350,8 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
     ----------
     model : nn.Module
         A decoder language model (Llama, Qwen2, Mistral, GPT-2, ...): its layers, each layer's attention output
-        projection and MLP, and the number of heads are found from its modules and config.
+        projection and MLP, and the number of heads are found from its modules and config. Or a TransformerLens
+        ``HookedTransformer``, read at its hook points (:mod:`relprop.workflows.lens`).
     clean_ids, corrupted_ids : Tensor
         ``(B, T)`` token ids of the same shape.
     target : (answer, foil) or callable
@@ -358,7 +362,11 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
         all positions. ``"mlps"``: ``(B, layers)``, each MLP's output, all positions. ``"residual"``:
         ``(B, layers + 1, T)``, the hidden state entering each layer and leaving the last, per position.
         ``"attn_out"``: ``(B, layers, T)``, each attention block's output per position. ``"mlp_out"``:
-        ``(B, layers, T)``, each MLP's output per position. Other kinds: :data:`COMPONENTS`
+        ``(B, layers, T)``, each MLP's output per position. ``"neurons"``: ``(B, layers, d_mlp)``, each MLP
+        hidden unit (the input of the down projection), all positions; ``"neuron_positions"``: the same per
+        position, ``(B, layers, T, d_mlp)``. ``"features"``: the latents of each SAE of ``features``,
+        ``(B, T, d_sae)`` by module path, and its reconstruction error, ``(B, T)`` under ``path + ":error"``
+        (:mod:`relprop.workflows.features`). Other kinds: :data:`COMPONENTS`
         (:mod:`relprop.workflows.components`). A sequence returns a dict by name, from one pass for the
         estimates.
     method : {"relp", "attribution", "activation"}
@@ -369,10 +377,15 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
         The rules of ``"relp"``: ``"attnlrp"``, ``"cp-lrp"``, ``"epsilon"``, ...
     attention_mask : Tensor, optional
         ``(B, T)``, for both runs.
+    features : dict, optional
+        ``{module path: SAE}`` for ``"features"``: any object with ``encode`` and ``decode`` (an SAELens ``SAE``),
+        spliced into the output of the module at that path for the call; the error term keeps the output as it
+        was.
 
     Returns
     -------
-    Tensor, or a dict of them for a sequence of components. The model is left as it was (no hook stays).
+    Tensor, or a dict of them for a sequence of components or for ``"features"``. The model is left as it was
+    (no hook stays).
 
     Examples
     --------
@@ -385,17 +398,17 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
     >>> relprop.patching(model, clean, corrupted, (5, 6)).shape
     torch.Size([1, 2, 4])
     """
-    kinds = _components(components)
     if method not in METHODS:
         raise ValueError(f"relprop: unknown method {method!r}; choose from {', '.join(METHODS)}")
     rules = composites.get(composite) if method == "relp" else None
-    with _evaluating(model):
+    with _evaluating(model), with_features(model, features, components) as given:
+        kinds = _components(given)
         pair = Patching(model, clean_ids, corrupted_ids, target, attention_mask)
         if method == "activation":
             found = {kind.name: pair.activation(kind) for kind in kinds}
         else:
             found = pair.estimate(kinds, rules, RELP_AT if method == "relp" else "corrupted")
-    return found[kinds[0].name] if isinstance(components, (str, Component)) else found
+    return found[kinds[0].name] if isinstance(given, (str, Component)) else found
 
 
 def recovery(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target: PatchTarget, scores: Tensor,
