@@ -196,3 +196,15 @@ def test_latent_relevance_conserves_the_module_output_relevance():
     found = latent_relevance(model, clean, (-1, ANSWER), {path: sae}, "attnlrp")
     at_output = relprop.LayerLRP(model, path, "attnlrp").attribute(clean, target=(-1, ANSWER))
     torch.testing.assert_close(found[path].sum(-1) + found[path + ":error"], at_output.sum(-1), rtol=0, atol=1e-10)
+
+
+def test_a_sample_of_neurons_is_patched_as_all_are_and_said_so():
+    model = tiny("llama")
+    clean, corrupted = prompts()
+    every = relprop.patching(model, clean, corrupted, (ANSWER, FOIL), components="neurons", method="activation")
+    with pytest.warns(UserWarning, match="measured 10 of the 64 units of 'neurons'"):
+        some = relprop.patching(model, clean, corrupted, (ANSWER, FOIL), components="neurons", method="activation",
+                                sample=10)
+    measured = ~some[0].isnan()
+    assert int(measured.sum()) == 10 and bool((some[1].isnan() == ~measured).all())
+    torch.testing.assert_close(some[:, measured], every[:, measured], rtol=0, atol=0)

@@ -45,9 +45,10 @@ def is_hooked(model: nn.Module) -> bool:
 
 def hooked_decoder(model: nn.Module) -> Decoder:
     """The sites of a ``HookedTransformer``: its hook points per block (see the module's table)."""
-    hooks: dict[str, nn.Module] = model.hook_dict  # type: ignore[assignment]
-    cfg: Any = model.cfg
-    blocks = len(model.blocks)  # type: ignore[arg-type]
+    hooked: Any = model  # its attributes are TransformerLens's
+    hooks: dict[str, nn.Module] = hooked.hook_dict
+    cfg: Any = hooked.cfg
+    blocks = len(hooked.blocks)
 
     def sites(point: str) -> tuple[Site, ...]:
         names = [f"blocks.{i}.{point}" for i in range(blocks)]
@@ -58,7 +59,7 @@ def hooked_decoder(model: nn.Module) -> Decoder:
 
     last = f"blocks.{blocks - 1}.hook_resid_post"
     has_mlp = not getattr(cfg, "attn_only", False)
-    return Decoder(tuple(model.blocks), sites("attn.hook_z"), sites("hook_attn_out"),  # type: ignore[arg-type]
+    return Decoder(tuple(hooked.blocks), sites("attn.hook_z"), sites("hook_attn_out"),
                    sites("hook_mlp_out") if has_mlp else (),
                    (*sites("hook_resid_pre"), Site(hooks[last], True, last)), int(cfg.n_heads),
                    sites("mlp.hook_post") if has_mlp else (), int(cfg.d_mlp) if has_mlp else 0)
@@ -80,21 +81,22 @@ def to_gpt2(model: nn.Module) -> nn.Module:
     """
     import transformers
 
-    c: Any = model.cfg
+    hooked: Any = model  # its attributes are TransformerLens's
+    c: Any = hooked.cfg
     if c.normalization_type != "LN" or c.positional_embedding_type != "standard" or c.gated_mlp or c.attn_only:
         raise ValueError("relprop: to_gpt2 copies a GPT-2-style HookedTransformer: LN, standard positions, a plain "
                          "MLP")
-    if bool(model.unembed.b_U.ne(0).any()):
+    if bool(hooked.unembed.b_U.ne(0).any()):
         raise ValueError("relprop: the HookedTransformer has an unembedding bias; GPT-2's head has none")
     config = transformers.GPT2Config(
         vocab_size=c.d_vocab, n_positions=c.n_ctx, n_embd=c.d_model, n_layer=c.n_layers, n_head=c.n_heads,
         n_inner=c.d_mlp, activation_function=c.act_fn, layer_norm_epsilon=c.eps, tie_word_embeddings=False,
         attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
     gpt2 = transformers.GPT2LMHeadModel(config).to(c.dtype).eval()
-    weights = {"transformer.wte.weight": model.embed.W_E, "transformer.wpe.weight": model.pos_embed.W_pos,
-               "transformer.ln_f.weight": model.ln_final.w, "transformer.ln_f.bias": model.ln_final.b,
-               "lm_head.weight": model.unembed.W_U.T}
-    for i, block in enumerate(model.blocks):  # type: ignore[arg-type]
+    weights = {"transformer.wte.weight": hooked.embed.W_E, "transformer.wpe.weight": hooked.pos_embed.W_pos,
+               "transformer.ln_f.weight": hooked.ln_final.w, "transformer.ln_f.bias": hooked.ln_final.b,
+               "lm_head.weight": hooked.unembed.W_U.T}
+    for i, block in enumerate(hooked.blocks):
         to, attention, mlp = f"transformer.h.{i}.", block.attn, block.mlp
         weights.update({
             to + "ln_1.weight": block.ln1.w, to + "ln_1.bias": block.ln1.b,

@@ -13,12 +13,16 @@ down projection's bias, which is the same in both runs).
 """
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
+import torch
 from torch import Tensor
 
 from relprop.workflows.components import Component, register
 from relprop.workflows.decoders import Decoder, Site
 
-__all__ = ["NeuronPositions", "Neurons"]
+__all__ = ["NeuronPositions", "Neurons", "sampled"]
 
 
 def _neuron_sites(decoder: Decoder) -> tuple[Site, ...]:
@@ -84,3 +88,17 @@ class NeuronPositions(Component):
 
 register(Neurons())
 register(NeuronPositions())
+
+
+def sampled(pair: Any, kind: Component, count: int, seed: int = 0) -> Tensor:
+    """A ``(sites * units,)`` mask of ``count`` units of ``kind`` drawn at random (without replacement), for
+    activation patching of a sample; a ``UserWarning`` says how many of how many."""
+    total = len(kind.sites(pair.decoder)) * kind.units(pair.decoder, pair.length)
+    if count < 1:
+        raise ValueError(f"relprop: sample must be a positive number of units, got {count}")
+    mask = torch.zeros(total, dtype=torch.bool)
+    mask[torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:count]] = True
+    if count < total:
+        warnings.warn(f"relprop: activation patching measured {count} of the {total} units of {kind.name!r}, drawn "
+                      f"at random (seed {seed}); the others are NaN", UserWarning, stacklevel=4)
+    return mask

@@ -44,6 +44,7 @@ from relprop.workflows.components import COMPONENTS, Component, resolve
 from relprop.workflows.decoders import Decoder, Site, capture, find_decoder, replace
 from relprop.workflows.features import with_features
 from relprop.workflows.lens import hooked_decoder, is_hooked
+from relprop.workflows.neurons import sampled
 
 __all__ = ["COMPONENTS", "METHODS", "Patching", "patching", "recovery"]
 
@@ -201,8 +202,9 @@ class Patching:
 
     # the methods
 
-    def activation(self, components: str | Component) -> Tensor:
-        """Exact activation patching: ``m(corrupted, component clean) - m(corrupted)`` for every component."""
+    def activation(self, components: str | Component, only: Tensor | None = None) -> Tensor:
+        """Exact activation patching: ``m(corrupted, component clean) - m(corrupted)`` for every component (or for
+        those ``only``, a ``(sites * units,)`` boolean mask, chooses: the others are NaN)."""
         kind = resolve(components)
         sites, units = kind.sites(self.decoder), kind.units(self.decoder, self.length)
         clean, corrupted = self.activations(kind, True), self.activations(kind, False)
@@ -210,9 +212,11 @@ class Patching:
         # stream before the first token that differs)
         differs = torch.stack([kind.reduce((a != b).to(a.dtype), self.decoder).reshape(self.batch, -1) != 0
                                for a, b in zip(clean, corrupted)], 1).any(0).flatten()  # (sites * units,)
-        run = differs.nonzero().flatten().tolist()
+        run = (differs if only is None else differs & only).nonzero().flatten().tolist()
         per_run = max(1, TOKENS_PER_RUN // (self.batch * self.length))
         found = torch.zeros(len(sites) * units, self.batch, dtype=self.metrics()[1].dtype)
+        if only is not None:
+            found[~only] = torch.nan
         for start in range(0, len(run), per_run):
             chosen = run[start:start + per_run]
             masks: dict[int, Tensor] = {}
@@ -339,7 +343,7 @@ RELP_AT = "corrupted"
 def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target: PatchTarget, *,
              components: str | Component | Sequence[str | Component] = "heads", method: str = "relp",
              composite: composites.Composite | str = "attnlrp", attention_mask: Tensor | None = None,
-             features: Mapping[str, Any] | None = None) -> Tensor | dict[str, Tensor]:
+             features: Mapping[str, Any] | None = None, sample: int | None = None) -> Tensor | dict[str, Tensor]:
     """The effect of each head, MLP or residual position on a metric: patched, or estimated by gradient or LRP.
 
     The effect of a component is ``m(corrupted run, that component's activation from the clean run) -
@@ -381,6 +385,9 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
         ``{module path: SAE}`` for ``"features"``: any object with ``encode`` and ``decode`` (an SAELens ``SAE``),
         spliced into the output of the module at that path for the call; the error term keeps the output as it
         was.
+    sample : int, optional
+        For ``"activation"``: patch only this many units of each kind, drawn at random (seed 0; a warning says
+        so); the others are NaN. For kinds of many units (``"neurons"``: ``layers * d_mlp``).
 
     Returns
     -------
@@ -405,7 +412,8 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
         kinds = _components(given)
         pair = Patching(model, clean_ids, corrupted_ids, target, attention_mask)
         if method == "activation":
-            found = {kind.name: pair.activation(kind) for kind in kinds}
+            found = {kind.name: pair.activation(kind, None if sample is None else sampled(pair, kind, sample))
+                     for kind in kinds}
         else:
             found = pair.estimate(kinds, rules, RELP_AT if method == "relp" else "corrupted")
     return found[kinds[0].name] if isinstance(given, (str, Component)) else found
