@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from relprop.workflows.patching import COMPONENTS, Patching, recovery
+from relprop.workflows.components import BLOCK_KINDS as COMPONENTS
+from relprop.workflows.patching import Patching, recovery
 from relprop.workflows.smollm2 import load_smollm2
 
 NAMES = [("Mary", "John"), ("Anna", "Tom"), ("Sarah", "David"), ("Emma", "James"), ("Lisa", "Mark"),

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from relprop.workflows.decoders import Decoder, Site
 
-__all__ = ["COMPONENTS", "Component", "Heads", "Positions", "Whole", "register", "resolve"]
+__all__ = ["BLOCK_KINDS", "COMPONENTS", "Component", "Heads", "Positions", "Whole", "register", "resolve"]
 
 
 class Component:
@@ -164,3 +164,6 @@ register(Positions("residual", lambda decoder: decoder.residual,
 register(Positions("attn_out", lambda decoder: decoder.attentions,
                    "(B, layers, T): each attention block's output, per position"))
 register(Positions("mlp_out", lambda decoder: decoder.mlps, "(B, layers, T): each MLP's output, per position"))
+#: the kinds above, of whole blocks and positions: what a report of every kind shows (the command line, the
+#: benchmark); kinds registered later (neurons) hold far more units
+BLOCK_KINDS = tuple(COMPONENTS)

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from relprop.workflows.components import Heads, Positions, register
+from relprop.workflows.components import Component, Heads, Positions
 from relprop.workflows.decoders import Decoder, Site
 from relprop.workflows.neurons import Neurons
 
-__all__ = ["HOOK_COMPONENTS", "hooked_decoder", "is_hooked", "to_gpt2"]
+__all__ = ["HOOK_COMPONENTS", "HOOK_KINDS", "hooked_decoder", "is_hooked", "to_gpt2"]
 
 #: the hook point of each kind of component, as TransformerLens names it within a block
 HOOK_COMPONENTS = {"heads": "attn.hook_z", "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out",
@@ -65,11 +65,17 @@ def hooked_decoder(model: nn.Module) -> Decoder:
                    sites("mlp.hook_post") if has_mlp else (), int(cfg.d_mlp) if has_mlp else 0)
 
 
-register(Heads("attn.hook_z", lambda decoder: decoder.heads, "(B, layers, heads): as \"heads\""))
-register(Positions("hook_attn_out", lambda decoder: decoder.attentions, "(B, layers, T): as \"attn_out\""))
-register(Positions("hook_mlp_out", lambda decoder: decoder.mlps, "(B, layers, T): as \"mlp_out\""))
-register(Positions("hook_resid_pre", lambda decoder: decoder.residual, "(B, layers + 1, T): as \"residual\""))
-register(Neurons("mlp.hook_post"))
+#: the kinds of component named by TransformerLens's hook points (not in the registry: ``relprop.patching`` looks
+#: a name up here first, and keys its results by the hook point's name)
+HOOK_KINDS: dict[str, Component] = {
+    "attn.hook_z": Heads("attn.hook_z", lambda decoder: decoder.heads, "(B, layers, heads): as \"heads\""),
+    "hook_attn_out": Positions("hook_attn_out", lambda decoder: decoder.attentions,
+                               "(B, layers, T): as \"attn_out\""),
+    "hook_mlp_out": Positions("hook_mlp_out", lambda decoder: decoder.mlps, "(B, layers, T): as \"mlp_out\""),
+    "hook_resid_pre": Positions("hook_resid_pre", lambda decoder: decoder.residual,
+                                "(B, layers + 1, T): as \"residual\""),
+    "mlp.hook_post": Neurons("mlp.hook_post"),
+}
 
 
 def to_gpt2(model: nn.Module) -> nn.Module:

@@ -43,7 +43,7 @@ from relprop.methods.targets import model_logits
 from relprop.workflows.components import COMPONENTS, Component, resolve
 from relprop.workflows.decoders import Decoder, Site, capture, find_decoder, replace
 from relprop.workflows.features import with_features
-from relprop.workflows.lens import hooked_decoder, is_hooked
+from relprop.workflows.lens import HOOK_KINDS, hooked_decoder, is_hooked
 from relprop.workflows.neurons import sampled
 
 __all__ = ["COMPONENTS", "METHODS", "Patching", "patching", "recovery"]
@@ -333,7 +333,7 @@ def _components(components: str | Component | Sequence[str | Component]) -> list
     given = [components] if isinstance(components, (str, Component)) else list(components)
     if not given:
         raise ValueError(f"relprop: no components given; choose from {', '.join(COMPONENTS)}")
-    return [resolve(name) for name in given]
+    return [resolve(HOOK_KINDS.get(name, name) if isinstance(name, str) else name) for name in given]
 
 
 #: where relp reads its coefficients (the benchmark measures both; see docs/guide/patching.md)
