@@ -162,7 +162,7 @@ def test_latent_activation_patching_by_hand():
         changed = (clean_latents["f"] != corrupted_latents["f"]).nonzero().tolist()[::17][:4]
         assert len(changed) == 4
         for row, position, unit in changed:
-            def patch(module, args, out):
+            def patch(module, args, out, position=position, unit=unit):
                 f = sae.encode(out)
                 patched = f.clone()
                 patched[:, position, unit] = clean_latents["f"][:, position, unit]
