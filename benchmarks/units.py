@@ -126,7 +126,7 @@ def train_sae(data: torch.Tensor, latents: int, steps: int, l1: float) -> tuple[
     data = data[torch.randperm(len(data), generator=generator)]
     held = max(1, len(data) // 10)
     train, test = data[held:], data[:held]
-    scale = float(train.norm(dim=1).mean() / train.shape[1] ** 0.5)
+    scale = float(train.norm(dim=1).mean() / train.shape[1] ** 0.5)  # inputs of mean norm sqrt(width)
     sae = SparseAutoencoder(data.shape[1], latents, scale)
     with torch.no_grad():
         sae.b_dec.copy_(train.mean(0) / scale)
@@ -166,8 +166,9 @@ def main() -> None:
     parser.add_argument("--sae-layer", type=int, default=15)
     parser.add_argument("--sae-width", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=8000)
-    parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--l1", type=float, default=1e-2)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--l1", type=float, default=4.0, help="the L1 penalty's weight (inputs scaled to norm "
+                        "sqrt(width))")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -240,6 +241,8 @@ def main() -> None:
                                          for i in order])
             print(f"{task}: {clean_text!r} gap {gap:.2f}, layers {layers}, {time.perf_counter() - tick:.0f} s",
                   file=sys.stderr, flush=True)
+    if args.out is not None:  # the numbers, before the report reads the prompts again
+        args.out.with_suffix(".raw.json").write_text(json.dumps({"rows": rows, "areas": areas, "tops": tops}))
     report(args, sae_stats, methods, rows, areas, tops, kept, model, tokenizer, sae, path)
 
 
@@ -280,7 +283,8 @@ def report(args, sae_stats, methods, rows, areas, tops, kept, model, tokenizer, 
     table = {}
     for units, by_method in rows.items():
         for method in methods:
-            means = [statistics.fmean(v for v in column if v == v) for column in zip(*by_method[method])]
+            means = [statistics.fmean(kept) if (kept := [v for v in column if v == v]) else float("nan")
+                     for column in zip(*by_method[method])]
             table[f"{units} {method}"] = means
             print(f"| {units} | {method} | " + " | ".join(f"{v:.3f}" for v in means) + " |")
     print("\n| neuron circuits ranked by | CPR (higher is better) | CMD (lower is better) |\n|---|---|---|")

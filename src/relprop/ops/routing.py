@@ -13,8 +13,8 @@ from relprop._core.contract import Call
 from relprop._core.kinds import OpKind
 from relprop._core.registry import ALWAYS_HANDLED, ROUTING_HANDLERS, lookup, register, torch_and_tensor
 from relprop._core.rule import Gradient, Reads
-from relprop._core.tensors import has_activation, has_parameter, is_activation
-from relprop.engine.session import GradientFormUnavailable, Session
+from relprop._core.tensors import has_activation, is_activation
+from relprop.engine.session import GradientFormUnavailable
 from relprop.ops.attention import note_routed
 from relprop.ops.host import OpHost
 
@@ -42,7 +42,7 @@ def _indexed(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
         with torch.no_grad():
             out = func(*args, **kwargs)
         return session.token_embedding(ids, out)  # the lookup of other ids than the model's stays a constant
-    return Session.constant(func, args, kwargs, has_parameter(args, kwargs))
+    return session.constant_op(func, args, kwargs)
 
 
 def _escaping(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:

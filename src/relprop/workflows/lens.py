@@ -3,16 +3,12 @@
 A ``HookedTransformer`` names its tensors by hook points (identity modules):
 patching reads and writes them there, so its components are those hook points:
 
-=====================  ====================  ======================================
-component              hook point            shape of the results
-=====================  ====================  ======================================
-``"attn.hook_z"``      ``blocks.i.attn.hook_z``     ``(B, layers, heads)`` (= ``"heads"``)
-``"hook_attn_out"``    ``blocks.i.hook_attn_out``   ``(B, layers, T)`` (= ``"attn_out"``)
-``"hook_mlp_out"``     ``blocks.i.hook_mlp_out``    ``(B, layers, T)`` (= ``"mlp_out"``)
-``"hook_resid_pre"``   ``blocks.i.hook_resid_pre``  ``(B, layers + 1, T)`` (= ``"residual"``,
-                                                    with the last ``hook_resid_post``)
-``"mlp.hook_post"``    ``blocks.i.mlp.hook_post``   ``(B, layers, d_mlp)`` (= ``"neurons"``)
-=====================  ====================  ======================================
+- ``"attn.hook_z"`` (``blocks.i.attn.hook_z``): ``(B, layers, heads)``, as ``"heads"``;
+- ``"hook_attn_out"`` (``blocks.i.hook_attn_out``): ``(B, layers, T)``, as ``"attn_out"``;
+- ``"hook_mlp_out"`` (``blocks.i.hook_mlp_out``): ``(B, layers, T)``, as ``"mlp_out"``;
+- ``"hook_resid_pre"`` (``blocks.i.hook_resid_pre``, and the last block's ``hook_resid_post``):
+  ``(B, layers + 1, T)``, as ``"residual"``;
+- ``"mlp.hook_post"`` (``blocks.i.mlp.hook_post``): ``(B, layers, d_mlp)``, as ``"neurons"``.
 
 The library itself is not imported here: a model is recognised by its
 ``blocks`` of hook points and its ``cfg``. :func:`to_gpt2` copies the weights
@@ -44,7 +40,7 @@ def is_hooked(model: nn.Module) -> bool:
 
 
 def hooked_decoder(model: nn.Module) -> Decoder:
-    """The sites of a ``HookedTransformer``: its hook points per block (see the module's table)."""
+    """The sites of a ``HookedTransformer``: its hook points per block (see the module's list)."""
     hooked: Any = model  # its attributes are TransformerLens's
     hooks: dict[str, nn.Module] = hooked.hook_dict
     cfg: Any = hooked.cfg

@@ -62,6 +62,7 @@ class NeuronPositions(Component):
 
     def __init__(self, name: str = "neuron_positions") -> None:
         super().__init__(name, _neuron_sites, "(B, layers, T, d_mlp): each MLP hidden unit at each position")
+        self._width = 0
 
     def units(self, decoder: Decoder, length: int) -> int:
         """``T * d_mlp``."""
