@@ -41,7 +41,6 @@ from pathlib import Path
 
 import torch
 
-from relprop.workflows.components import BLOCK_KINDS as COMPONENTS
 from relprop.workflows.patching import Patching, recovery
 from relprop.workflows.smollm2 import load_smollm2
 
@@ -85,6 +84,8 @@ def _tasks() -> dict[str, list[tuple[str, str, str, str]]]:
 
 
 TASKS = _tasks()
+#: the kinds of component this benchmark measures (benchmarks/circuits.py measures the per-position ones)
+COMPONENTS = ("heads", "mlps", "residual")
 
 
 def pearson(a: torch.Tensor, b: torch.Tensor) -> float:

