@@ -96,6 +96,19 @@ def test_neurons_sum_to_mlp_out(kind):
     torch.testing.assert_close(found["neuron_positions"].sum(2), found["neurons"], rtol=0, atol=1e-12)
 
 
+
+@pytest.mark.parametrize("composite", ["attnlrp", "cp-lrp"])
+def test_relp_neurons_sum_to_mlp_out_without_a_bias(composite):
+    """LRP-0 through Llama's bias-free down projection carries the relevance per unit of activation as its
+    transpose does: relp's neuron estimates add up to its mlp_out estimates as attribution's do."""
+    model = tiny("llama")
+    clean, corrupted = prompts()
+    found = relprop.patching(model, clean, corrupted, (ANSWER, FOIL), composite=composite,
+                             components=["neurons", "mlp_out"])
+    assert found["neurons"].abs().sum() > 1e-3
+    torch.testing.assert_close(found["neurons"].sum(-1), found["mlp_out"].sum(-1), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_neuron_activation_patching_by_hand(kind):
     """A neuron patched at all positions (batched with the others) has the effect of patching it by hand."""
