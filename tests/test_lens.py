@@ -62,7 +62,8 @@ def test_lrp_agrees(models, composite):
     torch.testing.assert_close(found, expected, rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("method,composite", [("attribution", "attnlrp"), ("relp", "attnlrp"), ("relp", "cp-lrp")])
+@pytest.mark.parametrize("method,composite", [("attribution", "relp"), ("relp", "attnlrp"), ("relp", "cp-lrp"),
+                                              ("relp", "relp")])
 def test_estimates_agree(models, method, composite):
     """Every kind of component, named by its hook point, gives the estimates of the same kind in GPT-2."""
     hooked, gpt2 = models

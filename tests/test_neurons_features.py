@@ -97,7 +97,7 @@ def test_neurons_sum_to_mlp_out(kind):
 
 
 
-@pytest.mark.parametrize("composite", ["attnlrp", "cp-lrp"])
+@pytest.mark.parametrize("composite", ["attnlrp", "cp-lrp", "relp"])
 def test_relp_neurons_sum_to_mlp_out_without_a_bias(composite):
     """LRP-0 through Llama's bias-free down projection carries the relevance per unit of activation as its
     transpose does: relp's neuron estimates add up to its mlp_out estimates as attribution's do."""
