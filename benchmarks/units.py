@@ -257,13 +257,15 @@ def _sample(allowed: torch.Tensor, count: int) -> torch.Tensor:
 
 def top_tokens(model: nn.Module, tokenizer, sae: nn.Module, path: str, latent: int, count: int = 5) -> list[str]:
     """The tokens of the tasks' prompts on which ``latent`` is largest, with its value."""
-    texts = [text for pairs in TASKS.values() for clean, corrupted, _, _ in pairs for text in (clean, corrupted)]
+    texts = list(dict.fromkeys(text for pairs in TASKS.values() for clean, corrupted, _, _ in pairs
+                               for text in (clean, corrupted)))
     values = []
     with torch.no_grad(), spliced(model, {path: sae}) as splices:
         for text in texts:
             ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-            kept = []
-            handle = splices[path].latents.register_forward_hook(lambda m, a, out: kept.append(out[0, :, latent]))
+            kept: list[torch.Tensor] = []
+            handle = splices[path].latents.register_forward_hook(
+                lambda m, a, out, kept=kept: kept.append(out[0, :, latent]))
             try:
                 model(ids)
             finally:
@@ -271,7 +273,11 @@ def top_tokens(model: nn.Module, tokenizer, sae: nn.Module, path: str, latent: i
             for position, value in enumerate(kept[0].tolist()):
                 values.append((value, tokenizer.decode(ids[0, :position + 1].tolist()[-3:]), position))
     values.sort(key=lambda item: -item[0])
-    return [f"{context!r} {value:.1f}" for value, context, _ in values[:count] if value > 0]
+    best: dict[str, float] = {}  # the largest value in each context
+    for value, context, _ in values:
+        if value > 0 and len(best) < count:
+            best.setdefault(context, value)
+    return [f"{context!r} {value:.1f}" for context, value in best.items()]
 
 
 def report(args, sae_stats, methods, rows, areas, tops, kept, model, tokenizer, sae, path) -> None:
