@@ -257,7 +257,7 @@ def test_errors_name_the_problem(llama):
     with pytest.raises(ValueError, match="same shape"):
         relprop.patching(llama, clean, corrupted[:, :4], (ANSWER, FOIL))
     with pytest.raises(ValueError, match="unknown components"):
-        relprop.patching(llama, clean, corrupted, (ANSWER, FOIL), components="neurons")
+        relprop.patching(llama, clean, corrupted, (ANSWER, FOIL), components="synapses")
     with pytest.raises(ValueError, match="unknown method"):
         relprop.patching(llama, clean, corrupted, (ANSWER, FOIL), method="gradient")
     with pytest.raises(ValueError, match="outside the vocabulary"):

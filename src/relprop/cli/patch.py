@@ -11,7 +11,8 @@ import torch
 from relprop import composites
 from relprop.cli.app import CommandError, _write_json, app, out_option
 from relprop.cli.text import _language_model
-from relprop.workflows.patching import COMPONENTS, METHODS, Patching, recovery
+from relprop.workflows.components import BLOCK_KINDS as COMPONENTS
+from relprop.workflows.patching import METHODS, Patching, recovery
 
 
 def _ids(tokenizer: Any, text: str, what: str) -> torch.Tensor:

@@ -396,14 +396,8 @@ class Session(Guard, Unruled, TorchFunctionMode):
         handler = HANDLERS.get(func)
         if handler is None and (resolved := resolve(func, args, kwargs)) is not None:
             handler, func, args, kwargs = resolved
-        opaque = self.context.opaque
-        if opaque or (handler not in ALWAYS_HANDLED and not has_activation(args, kwargs)):
-            # no activation in: a constant out (also what is computed from parameters alone); inside an
-            # activation module, its output becomes one op in the exit hook
-            with_parameters = bool(opaque) or has_parameter(args, kwargs)
-            out = self.constant(func, args, kwargs, with_parameters)
-            self._note("constant", with_parameters, out)
-            return out
+        if self.context.opaque or (handler not in ALWAYS_HANDLED and not has_activation(args, kwargs)):
+            return self.constant_op(func, args, kwargs)
         # custom Functions' outputs among the arguments, each op (a Function whose forward runs no torch op on
         # activations, as a compiled extension's, is seen nowhere else): named after the module of an op run inside
         # its forward (with gradients off), else after the module reading it
@@ -419,6 +413,14 @@ class Session(Guard, Unruled, TorchFunctionMode):
                 error.add_note(f"relprop: raised by {op_name(func)} in module '{self.module_name or '<root>'}' "
                                "during the attribution forward pass")
             raise
+
+    def constant_op(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """An op without an activation among its arguments: a constant out (also what is computed from parameters
+        alone); inside an activation module, whose output becomes one op in the exit hook, every op."""
+        with_parameters = bool(self.context.opaque) or has_parameter(args, kwargs)
+        out = self.constant(func, args, kwargs, with_parameters)
+        self._note("constant", with_parameters, out)
+        return out
 
     @staticmethod
     def constant(func: Callable, args: tuple, kwargs: dict, with_parameters: bool) -> Any:

@@ -52,6 +52,9 @@ class OpHost(Protocol):
     def unknown(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """An op without a rule: its plain gradient, reported if relevance flows through it."""
 
+    def constant_op(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """An op without an activation among its arguments, run as a constant."""
+
     def fed_by_input(self, x: Tensor) -> bool:
         """Whether ``x`` comes from a model input through routing ops only."""
 

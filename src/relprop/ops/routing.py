@@ -11,9 +11,9 @@ from torch import Tensor
 
 from relprop._core.contract import Call
 from relprop._core.kinds import OpKind
-from relprop._core.registry import ROUTING_HANDLERS, lookup, register, torch_and_tensor
+from relprop._core.registry import ALWAYS_HANDLED, ROUTING_HANDLERS, lookup, register, torch_and_tensor
 from relprop._core.rule import Gradient, Reads
-from relprop._core.tensors import is_activation
+from relprop._core.tensors import has_activation, is_activation
 from relprop.engine.session import GradientFormUnavailable
 from relprop.ops.attention import note_routed
 from relprop.ops.host import OpHost
@@ -28,6 +28,21 @@ def _run(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
     out = session.routed(func, args, kwargs)
     note_routed(session, func, args, out)
     return out
+
+
+def _indexed(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``x[index]``: routing; but a parameter table indexed by integer ids (TransformerLens's ``W_E[tokens, :]``)
+    is an embedding lookup, whose vectors collect the relevance of the model's token ids as ``F.embedding``'s do."""
+    if has_activation(args, kwargs):
+        return _run(session, func, args, kwargs)
+    index = args[1] if len(args) > 1 else None
+    ids = index[0] if isinstance(index, tuple) and index else index
+    if isinstance(args[0], torch.nn.Parameter) and isinstance(ids, Tensor) and not ids.is_floating_point() \
+            and ids.dtype != torch.bool:
+        with torch.no_grad():
+            out = func(*args, **kwargs)
+        return session.token_embedding(ids, out)  # the lookup of other ids than the model's stays a constant
+    return session.constant_op(func, args, kwargs)
 
 
 def _escaping(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -109,12 +124,13 @@ register(
                    "pixel_shuffle pixel_unshuffle atleast_1d atleast_2d atleast_3d _pack_padded_sequence "
                    "_pad_packed_sequence"),
     lookup(Tensor, "view view_as reshape_as expand expand_as repeat contiguous to float double half bfloat16 type "
-                "type_as cpu cuda __getitem__ unfold as_strided"),
+                "type_as cpu cuda unfold as_strided"),
     lookup(F, "pad dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout pixel_shuffle "
                "pixel_unshuffle channel_shuffle unfold max_pool1d_with_indices "
                "max_pool2d_with_indices max_pool3d_with_indices"),
     [getattr(Tensor, name).__get__ for name in ("T", "mT")],
 )
+register(_indexed, [Tensor.__getitem__])
 register(_escaping, [getattr(Tensor, "data").__get__])  # (the stubs type `data` as a Tensor)
 register(_combine, torch_and_tensor("where scatter index_copy masked_scatter"),
           lookup(torch, "cat concat concatenate stack hstack vstack dstack"))
@@ -130,4 +146,5 @@ register(_run_in_place, lookup(Tensor, "__setitem__ masked_fill_ copy_ zero_ fil
                                      "masked_scatter_"))
 
 
-ROUTING_HANDLERS.update({_run, _run_in_place, _combine})
+ROUTING_HANDLERS.update({_run, _run_in_place, _combine, _indexed})
+ALWAYS_HANDLED.add(_indexed)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from relprop.workflows.decoders import Decoder, Site
 
-__all__ = ["COMPONENTS", "Component", "Heads", "Positions", "Whole", "register", "resolve"]
+__all__ = ["BLOCK_KINDS", "COMPONENTS", "Component", "Heads", "Positions", "Whole", "register", "resolve"]
 
 
 class Component:
@@ -83,14 +83,16 @@ class Heads(Component):
 
     def reduce(self, product: Tensor, decoder: Decoder) -> Tensor:
         """Summed over positions and each head's slice: ``(B, heads)``."""
-        batch, length, _ = product.shape
-        return product.view(batch, length, decoder.head_count, -1).sum((1, 3))
+        batch, length = product.shape[:2]
+        return product.reshape(batch, length, decoder.head_count, -1).sum((1, 3))
 
     def select(self, mask: Tensor, tensor: Tensor, decoder: Decoder) -> Tensor:
-        """Each head's slice at every position."""
-        rows, length, width = tensor.shape
+        """Each head's slice at every position (of ``(N, T, width)``, or of TransformerLens's ``(N, T, heads,
+        d_head)``)."""
+        rows, length = tensor.shape[:2]
         heads = decoder.head_count
-        return mask.view(rows, 1, heads, 1).expand(rows, length, heads, width // heads).reshape(tensor.shape)
+        return mask.view(rows, 1, heads, 1).expand(rows, length, heads, tensor[0, 0].numel() // heads
+                                                   ).reshape(tensor.shape)
 
 
 class Whole(Component):
@@ -162,3 +164,6 @@ register(Positions("residual", lambda decoder: decoder.residual,
 register(Positions("attn_out", lambda decoder: decoder.attentions,
                    "(B, layers, T): each attention block's output, per position"))
 register(Positions("mlp_out", lambda decoder: decoder.mlps, "(B, layers, T): each MLP's output, per position"))
+#: the kinds above, of whole blocks and positions: what a report of every kind shows (the command line, the
+#: benchmark); kinds registered later (neurons) hold far more units
+BLOCK_KINDS = tuple(COMPONENTS)

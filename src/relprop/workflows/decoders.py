@@ -27,6 +27,7 @@ __all__ = ["Decoder", "Site", "capture", "find_decoder", "replace"]
 ATTENTION = ("self_attn", "attn", "attention", "self_attention")
 PROJECTION = ("o_proj", "c_proj", "out_proj", "dense", "wo")
 MLP = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
+DOWN = ("down_proj", "c_proj", "fc2", "dense_4h_to_h", "w2", "fc_out", "wo")
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers")
 
@@ -57,6 +58,11 @@ class Decoder:
     residual : tuple of Site
         The hidden state entering each layer, and the one leaving the last (``layers + 1`` sites).
     head_count : int
+    neurons : tuple of Site
+        Per layer, the MLP's hidden units: the input of its down projection, ``(B, T, d_mlp)``: ``act(fc)``
+        (GPT-2), ``act(gate) * up`` (Llama). Empty where the MLP has no down projection found by name.
+    neuron_count : int
+        The width of those sites, ``d_mlp`` (0 without them).
     """
 
     layers: tuple[nn.Module, ...]
@@ -65,6 +71,8 @@ class Decoder:
     mlps: tuple[Site, ...]
     residual: tuple[Site, ...]
     head_count: int
+    neurons: tuple[Site, ...] = ()
+    neuron_count: int = 0
 
 
 def _config_value(objects: Sequence[Any], names: Sequence[str]) -> int | None:
@@ -107,8 +115,8 @@ def find_decoder(model: nn.Module) -> Decoder:
                if any(isinstance(getattr(module[0], attribute, None), nn.Module) for attribute in ATTENTION)]
     path, layer_list = max(layered or lists, key=lambda item: len(item[1]))
     layers = tuple(layer_list)
-    heads, attentions, mlps, residual = [], [], [], []
-    head_count = None
+    heads, attentions, mlps, residual, neurons = [], [], [], [], []
+    head_count, widths = None, set()
     for index, layer in enumerate(layers):
         where = f"{path}.{index}"
         attention_name, attention = _child(layer, ATTENTION, "attention", where)
@@ -119,13 +127,32 @@ def find_decoder(model: nn.Module) -> Decoder:
         attentions.append(Site(attention, True, f"{where}.{attention_name}"))
         mlps.append(Site(mlp, True, f"{where}.{mlp_name}"))
         residual.append(Site(layer, False, where))
+        down = next(((name, getattr(mlp, name)) for name in DOWN if isinstance(getattr(mlp, name, None), nn.Module)),
+                    None)
+        if down is not None and (width := _input_width(down[1])) is not None:
+            neurons.append(Site(down[1], False, f"{where}.{mlp_name}.{down[0]}"))
+            widths.add(width)
         if head_count is None:
             head_count = _config_value([attention, getattr(attention, "config", None), config], HEAD_COUNTS)
     residual.append(Site(layers[-1], True, f"{path}.{len(layers) - 1}"))
     if head_count is None:
         raise ValueError(f"relprop: patching found no number of attention heads in {type(model).__name__}: it reads "
                          f"{', '.join(HEAD_COUNTS)} on the attention module or the config")
-    return Decoder(layers, tuple(heads), tuple(attentions), tuple(mlps), tuple(residual), head_count)
+    # neurons where every layer has a down projection of one width (not a mixture of experts)
+    found = len(neurons) == len(layers) and len(widths) == 1
+    return Decoder(layers, tuple(heads), tuple(attentions), tuple(mlps), tuple(residual), head_count,
+                   tuple(neurons) if found else (), widths.pop() if found else 0)
+
+
+def _input_width(module: nn.Module) -> int | None:
+    """The input width of a dense layer: ``nn.Linear``'s ``in_features``, or a ``(in, out)`` weight (GPT-2's
+    ``Conv1D``, which names its output width ``nf``)."""
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, Tensor) and weight.dim() == 2 and getattr(module, "nf", None) == weight.shape[1]:
+        return int(weight.shape[0])
+    return None
 
 
 def _first(value: Any) -> Tensor | None:

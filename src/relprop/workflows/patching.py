@@ -28,7 +28,7 @@ pass for every component at once.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Union
 
@@ -42,6 +42,9 @@ from relprop.methods.attribution import LRP
 from relprop.methods.targets import model_logits
 from relprop.workflows.components import COMPONENTS, Component, resolve
 from relprop.workflows.decoders import Decoder, Site, capture, find_decoder, replace
+from relprop.workflows.features import with_features
+from relprop.workflows.lens import HOOK_KINDS, hooked_decoder, is_hooked
+from relprop.workflows.neurons import sampled
 
 __all__ = ["COMPONENTS", "METHODS", "Patching", "patching", "recovery"]
 
@@ -113,7 +116,7 @@ class Patching:
             raise ValueError(f"relprop: attention_mask has shape {tuple(attention_mask.shape)}; the prompts have "
                              f"{tuple(clean.shape)}")
         self.model = model
-        self.decoder: Decoder = find_decoder(model)
+        self.decoder: Decoder = hooked_decoder(model) if is_hooked(model) else find_decoder(model)
         self.clean, self.corrupted = clean.long(), corrupted.long()
         self.attention_mask = attention_mask
         self.batch, self.length = clean.shape
@@ -195,14 +198,15 @@ class Patching:
         """The edit of one site: its clean entries where ``mask`` (``(K, B, units)``) chooses a unit."""
         def patch(tensor: Tensor) -> Tensor:
             rows = mask.reshape(copies * self.batch, -1).to(tensor.device)
-            source = clean.repeat(copies, 1, 1)
+            source = clean.repeat(copies, *[1] * (clean.dim() - 1))
             return torch.where(kind.select(rows, tensor, self.decoder), source.view_as(tensor), tensor)
         return patch
 
     # the methods
 
-    def activation(self, components: str | Component) -> Tensor:
-        """Exact activation patching: ``m(corrupted, component clean) - m(corrupted)`` for every component."""
+    def activation(self, components: str | Component, only: Tensor | None = None) -> Tensor:
+        """Exact activation patching: ``m(corrupted, component clean) - m(corrupted)`` for every component (or for
+        those ``only``, a ``(sites * units,)`` boolean mask, chooses: the others are NaN)."""
         kind = resolve(components)
         sites, units = kind.sites(self.decoder), kind.units(self.decoder, self.length)
         clean, corrupted = self.activations(kind, True), self.activations(kind, False)
@@ -210,9 +214,11 @@ class Patching:
         # stream before the first token that differs)
         differs = torch.stack([kind.reduce((a != b).to(a.dtype), self.decoder).reshape(self.batch, -1) != 0
                                for a, b in zip(clean, corrupted)], 1).any(0).flatten()  # (sites * units,)
-        run = differs.nonzero().flatten().tolist()
+        run = (differs if only is None else differs & only).nonzero().flatten().tolist()
         per_run = max(1, TOKENS_PER_RUN // (self.batch * self.length))
         found = torch.zeros(len(sites) * units, self.batch, dtype=self.metrics()[1].dtype)
+        if only is not None:
+            found[~only] = torch.nan
         for start in range(0, len(run), per_run):
             chosen = run[start:start + per_run]
             masks: dict[int, Tensor] = {}
@@ -312,12 +318,13 @@ def _parameters(model: nn.Module) -> set[str]:
 
 
 def _checked(found: Sequence[Tensor | None], sites: Sequence[Site], batch: int) -> list[Tensor]:
-    """The tensors captured at ``sites``, each ``(B, T, width)``; an error naming a site that did not run."""
+    """The tensors captured at ``sites``, each ``(B, T, width)`` (or ``(B, T, heads, d_head)``, TransformerLens's
+    ``hook_z``); an error naming a site that did not run."""
     tensors = []
     for tensor, site in zip(found, sites):
         if tensor is None:
             raise ValueError(f"relprop: {site.name} did not run in the forward pass")
-        if tensor.dim() != 3 or tensor.shape[0] != batch:
+        if tensor.dim() not in (3, 4) or tensor.shape[0] != batch:
             raise ValueError(f"relprop: patching expects a (batch, length, width) tensor at {site.name}, found "
                              f"{tuple(tensor.shape)}")
         tensors.append(tensor)
@@ -328,7 +335,7 @@ def _components(components: str | Component | Sequence[str | Component]) -> list
     given = [components] if isinstance(components, (str, Component)) else list(components)
     if not given:
         raise ValueError(f"relprop: no components given; choose from {', '.join(COMPONENTS)}")
-    return [resolve(name) for name in given]
+    return [resolve(HOOK_KINDS.get(name, name) if isinstance(name, str) else name) for name in given]
 
 
 #: where relp reads its coefficients (the benchmark measures both; see docs/guide/patching.md)
@@ -337,8 +344,8 @@ RELP_AT = "corrupted"
 
 def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target: PatchTarget, *,
              components: str | Component | Sequence[str | Component] = "heads", method: str = "relp",
-             composite: composites.Composite | str = "relp",
-             attention_mask: Tensor | None = None) -> Tensor | dict[str, Tensor]:
+             composite: composites.Composite | str = "relp", attention_mask: Tensor | None = None,
+             features: Mapping[str, Any] | None = None, sample: int | None = None) -> Tensor | dict[str, Tensor]:
     """The effect of each head, MLP or residual position on a metric: patched, or estimated by gradient or LRP.
 
     The effect of a component is ``m(corrupted run, that component's activation from the clean run) -
@@ -349,7 +356,8 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
     ----------
     model : nn.Module
         A decoder language model (Llama, Qwen2, Mistral, GPT-2, ...): its layers, each layer's attention output
-        projection and MLP, and the number of heads are found from its modules and config.
+        projection and MLP, and the number of heads are found from its modules and config. Or a TransformerLens
+        ``HookedTransformer``, read at its hook points (:mod:`relprop.workflows.lens`).
     clean_ids, corrupted_ids : Tensor
         ``(B, T)`` token ids of the same shape.
     target : (answer, foil) or callable
@@ -360,7 +368,11 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
         all positions. ``"mlps"``: ``(B, layers)``, each MLP's output, all positions. ``"residual"``:
         ``(B, layers + 1, T)``, the hidden state entering each layer and leaving the last, per position.
         ``"attn_out"``: ``(B, layers, T)``, each attention block's output per position. ``"mlp_out"``:
-        ``(B, layers, T)``, each MLP's output per position. Other kinds: :data:`COMPONENTS`
+        ``(B, layers, T)``, each MLP's output per position. ``"neurons"``: ``(B, layers, d_mlp)``, each MLP
+        hidden unit (the input of the down projection), all positions; ``"neuron_positions"``: the same per
+        position, ``(B, layers, T, d_mlp)``. ``"features"``: the latents of each SAE of ``features``,
+        ``(B, T, d_sae)`` by module path, and its reconstruction error, ``(B, T)`` under ``path + ":error"``
+        (:mod:`relprop.workflows.features`). Other kinds: :data:`COMPONENTS`
         (:mod:`relprop.workflows.components`). A sequence returns a dict by name, from one pass for the
         estimates.
     method : {"relp", "attribution", "activation"}
@@ -372,10 +384,18 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
         SmolLM2: docs/guide/patching.md), ``"relp-ah"``, ``"attnlrp"``, ``"cp-lrp"``, ``"epsilon"``, ...
     attention_mask : Tensor, optional
         ``(B, T)``, for both runs.
+    features : dict, optional
+        ``{module path: SAE}`` for ``"features"``: any object with ``encode`` and ``decode`` (an SAELens ``SAE``),
+        spliced into the output of the module at that path for the call; the error term keeps the output as it
+        was.
+    sample : int, optional
+        For ``"activation"``: patch only this many units of each kind, drawn at random (seed 0; a warning says
+        so); the others are NaN. For kinds of many units (``"neurons"``: ``layers * d_mlp``).
 
     Returns
     -------
-    Tensor, or a dict of them for a sequence of components. The model is left as it was (no hook stays).
+    Tensor, or a dict of them for a sequence of components or for ``"features"``. The model is left as it was
+    (no hook stays).
 
     Examples
     --------
@@ -388,17 +408,18 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
     >>> relprop.patching(model, clean, corrupted, (5, 6)).shape
     torch.Size([1, 2, 4])
     """
-    kinds = _components(components)
     if method not in METHODS:
         raise ValueError(f"relprop: unknown method {method!r}; choose from {', '.join(METHODS)}")
     rules = composites.get(composite) if method == "relp" else None
-    with _evaluating(model):
+    with _evaluating(model), with_features(model, features, components) as given:
+        kinds = _components(given)
         pair = Patching(model, clean_ids, corrupted_ids, target, attention_mask)
         if method == "activation":
-            found = {kind.name: pair.activation(kind) for kind in kinds}
+            found = {kind.name: pair.activation(kind, None if sample is None else sampled(pair, kind, sample))
+                     for kind in kinds}
         else:
             found = pair.estimate(kinds, rules, RELP_AT if method == "relp" else "corrupted")
-    return found[kinds[0].name] if isinstance(components, (str, Component)) else found
+    return found[kinds[0].name] if isinstance(given, (str, Component)) else found
 
 
 def recovery(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target: PatchTarget, scores: Tensor,
