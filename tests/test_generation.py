@@ -30,7 +30,10 @@ def test_each_row_equals_an_attribution_of_the_sequence_cut_there(attention):
     for g in range(G):
         expected = relprop.LRP(model, "attnlrp").attribute(found.sequences[:, :T + g],
                                                            target=(-1, found.sequences[:, T + g]))
-        torch.testing.assert_close(found.relevance[0, g, :T + g], expected[0], rtol=1e-10, atol=1e-12)
+        # eager attention takes its softmax in float32 (Hugging Face casts back): the two passes round it at other
+        # lengths, which moves a float64 relevance by about 1e-9 of its size
+        bound = 1e-7 if attention == "eager" else 1e-10
+        torch.testing.assert_close(found.relevance[0, g, :T + g], expected[0], rtol=bound, atol=bound * 1e-2)
         assert not found.relevance[0, g, T + g:].any()  # nothing from the predicting position's successor on
         assert found.relevance[0, g, :T + g].abs().sum() > 0
 
