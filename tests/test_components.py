@@ -34,7 +34,7 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def metric(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    logits = model(ids).logits[:, -1]
+    logits = relprop.model_logits(model(ids))[:, -1]
     return logits[:, ANSWER] - logits[:, FOIL]
 
 

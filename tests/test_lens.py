@@ -15,7 +15,7 @@ lens = pytest.importorskip("transformer_lens", reason="pip install --no-deps tra
                            "extra)")
 pytest.importorskip("transformers")
 
-ANSWER, FOIL = 3, 5
+from test_components import ANSWER, FOIL, prompts
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +33,6 @@ def models():
                 parameter.copy_(torch.randn_like(parameter) * (0.3 if parameter.dim() > 1 else 0.1)
                                 + (1.0 if name.endswith(".w") else 0.0))
     return hooked, to_gpt2(hooked)
-
-
-def prompts() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    clean = torch.randint(0, 40, (2, 6), generator=generator)
-    corrupted = clean.clone()
-    corrupted[:, 1] = (corrupted[:, 1] + 7) % 40
-    corrupted[:, 3] = (corrupted[:, 3] + 11) % 40
-    return clean, corrupted
 
 
 def test_same_logits(models):

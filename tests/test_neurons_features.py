@@ -12,7 +12,7 @@ from relprop.workflows.features import latent_relevance, spliced
 
 transformers = pytest.importorskip("transformers")
 
-ANSWER, FOIL = 3, 5
+from test_components import ANSWER, FOIL, metric, prompts
 
 
 def tiny(kind: str) -> nn.Module:
@@ -23,20 +23,6 @@ def tiny(kind: str) -> nn.Module:
         return transformers.LlamaForCausalLM(config).eval().double()
     config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=4, n_inner=32)
     return transformers.GPT2LMHeadModel(config).eval().double()
-
-
-def prompts() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    clean = torch.randint(0, 40, (2, 6), generator=generator)
-    corrupted = clean.clone()
-    corrupted[:, 1] = (corrupted[:, 1] + 7) % 40
-    corrupted[:, 3] = (corrupted[:, 3] + 11) % 40
-    return clean, corrupted
-
-
-def metric(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    logits = relprop.model_logits(model(ids))[:, -1]
-    return logits[:, ANSWER] - logits[:, FOIL]
 
 
 class RandomSAE(nn.Module):
