@@ -21,13 +21,47 @@ def _ids(tokenizer: Any, text: str, what: str) -> torch.Tensor:
     return ids
 
 
+def _token(tokenizer: Any, text: str, what: str) -> int:
+    """The one token id of an answer; an answer of several tokens is refused, naming them."""
+    ids = _ids(tokenizer, text, what)[0].tolist()
+    if len(ids) > 1:
+        pieces = ", ".join(repr(tokenizer.decode([i])) for i in ids)
+        raise CommandError(f"the {what} {text!r} is {len(ids)} tokens ({pieces}); the metric is the logit of one "
+                           f"token at the last position: give one token, e.g. {tokenizer.decode(ids[:1])!r}")
+    return int(ids[0])
+
+
+def _model_name(model: str) -> str:
+    """The model as the pictures name it: SmolLM2's own name, or the folder's."""
+    return "SmolLM2-135M-Instruct" if model == "smollm2" else Path(model).resolve().name
+
+
+def _pictures(found: dict[str, dict[str, torch.Tensor]], tokens: list[str], ks: list[int],
+              curves: dict[str, torch.Tensor], out: Path, about: str, preset: str) -> None:
+    """heads.png, residual.png and circuit.png, each titled with what was patched and ``about`` (the model, the
+    metric, the prompts)."""
+    from relprop.viz.patching import save_circuit_curves, save_head_maps, save_residual_maps
+
+    named = {"activation": "activation patching (exact)", "attribution": "attribution patching (gradient)",
+             "relp": f"relevance patching (RelP, {preset})"}
+    label = "effect on m: m(patched) - m(corrupted)"
+    save_head_maps({named[method]: found[method]["heads"] for method in METHODS}, out / "heads.png",
+                   title=f"Each attention head patched clean {about}", label=label)
+    save_residual_maps({named[method]: found[method]["residual"] for method in METHODS}, tokens,
+                       out / "residual.png", title=f"Each position of the residual stream patched clean {about}",
+                       label=label)
+    save_circuit_curves(ks, {named[method]: curves[method] for method in METHODS}, out / "circuit.png",
+                        title=f"The top k heads patched clean, all others corrupted {about}")
+
+
 @app.command("patch")
 @click.option("--model", default="smollm2", show_default=True, metavar="NAME",
               help="smollm2 (SmolLM2-135M-Instruct, shipped offline), or a local Hugging Face model folder.")
 @click.option("--clean", required=True, help="The prompt that shows the behaviour.")
 @click.option("--corrupted", required=True, help="The same prompt, changed where the behaviour is (same token count).")
-@click.option("--answer", required=True, help="The clean run's answer (its first token is used), e.g. ' Mary'.")
-@click.option("--foil", required=True, help="The corrupted run's answer (its first token), e.g. ' John'.")
+@click.option("--answer", required=True,
+              help="The clean run's answer, one token, e.g. ' Mary' (mind the leading space); several are refused.")
+@click.option("--foil", required=True, help="The corrupted run's answer, one token, e.g. ' John'.")
 @click.option("--preset", type=click.Choice(["attnlrp", "cp-lrp", "epsilon"]), default="attnlrp",
               help="The rules of relevance patching.")
 @out_option()
@@ -35,8 +69,6 @@ def patch(model: str, clean: str, corrupted: str, answer: str, foil: str, preset
     """Activation, attribution and relevance patching of one prompt pair, metric logit[answer] - logit[foil] at the
     last position: out/heads.png (layers x heads), out/residual.png (layers x positions), out/circuit.png (the
     metric recovered by the top heads of each method) and out/patching.json."""
-    from relprop.viz.patching import save_circuit_curves, save_head_maps, save_residual_maps
-
     torch.set_num_threads(min(torch.get_num_threads(), 4))  # small batches: more threads only contend
     network, loaded = _language_model(model)
     tokenizer: Any = loaded
@@ -44,7 +76,7 @@ def patch(model: str, clean: str, corrupted: str, answer: str, foil: str, preset
     if clean_ids.shape != corrupted_ids.shape:
         raise CommandError(f"the clean prompt has {clean_ids.shape[1]} tokens and the corrupted one "
                            f"{corrupted_ids.shape[1]}: patching needs the same number")
-    target = (int(_ids(tokenizer, answer, "answer")[0, 0]), int(_ids(tokenizer, foil, "foil")[0, 0]))
+    target = (_token(tokenizer, answer, "answer"), _token(tokenizer, foil, "foil"))
     try:
         pair = Patching(network, clean_ids, corrupted_ids, target)
     except ValueError as error:  # a model that is no decoder patching can read
@@ -67,9 +99,9 @@ def patch(model: str, clean: str, corrupted: str, answer: str, foil: str, preset
         click.echo(f"  {method}: top heads {named}; top {ks[min(2, len(ks) - 1)]} recover "
                    f"{float(curves[method][min(2, len(ks) - 1)]):.0%}")
     out.mkdir(parents=True, exist_ok=True)
-    save_head_maps({method: found[method]["heads"] for method in METHODS}, out / "heads.png")
-    save_residual_maps({method: found[method]["residual"] for method in METHODS}, tokens, out / "residual.png")
-    save_circuit_curves(ks, curves, out / "circuit.png")
+    about = (f"m = logit[{answer!r}] - logit[{foil!r}] at the last position\nclean: {clean!r} (m {m_clean:.2f})\n"
+             f"corrupted: {corrupted!r} (m {m_corrupted:.2f})")
+    _pictures(found, tokens, ks, curves, out, f"({_model_name(model)})\n{about}", preset)
     _write_json({"clean": clean, "corrupted": corrupted, "answer": answer, "foil": foil, "preset": preset,
                  "tokens": tokens, "metric": {"clean": m_clean, "corrupted": m_corrupted},
                  **{name: {method: found[method][name].tolist() for method in METHODS} for name in COMPONENTS},
