@@ -15,6 +15,7 @@ from relprop.cli.app import (
     _check_cmap,
     _write_json,
     app,
+    example,
     image_options,
     model_options,
     out_option,
@@ -36,7 +37,8 @@ from relprop.methods.attribution import LRP
 from relprop.workflows.dataset import explain_batch
 
 
-@app.command()
+@app.command(short_help="MNIST demo: heatmaps.png, pixel_flipping.png, aopc.json.",
+             epilog=example("relprop demo --out out"))
 @out_option()
 @click.option("--examples", type=click.IntRange(1, 1000), default=8, help="Test digits shown in the heatmap grid.")
 @click.option("--evaluated", type=click.IntRange(1, 1000), default=200, help="Test digits used for pixel flipping.")
@@ -47,7 +49,9 @@ def demo(out: Path, examples: int, evaluated: int) -> None:
     demo_module.run(out, examples=examples, evaluated=evaluated)
 
 
-@app.command()
+@app.command(short_help="A heatmap and an overlay per image, and explain.json.",
+             epilog=example("relprop explain --model efficientnet-lite0 --sample-photos --figure --out out",
+                            "relprop explain cat.png --model resnet18 --weights resnet18.pth --out out"))
 @click.argument("images", nargs=-1, type=click.Path())
 @model_options
 @preset_option
@@ -264,7 +268,8 @@ def _explain_text(text: str, folder: str, preset: str, target: int | None, out: 
     click.echo(f"-> {out / 'text.html'}")
 
 
-@app.command()
+@app.command(short_help="Pixel-flipping AOPC per method: aopc.json and a plot.",
+             epilog=example("relprop evaluate digits/*.png --model mymodels:build --size 28 --channels 1 --out out"))
 @click.argument("images", nargs=-1, required=True, type=click.Path())
 @model_options
 @preset_option

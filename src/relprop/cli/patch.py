@@ -9,8 +9,8 @@ import click
 import torch
 
 from relprop import composites
-from relprop.cli.app import CommandError, _write_json, app, out_option
-from relprop.cli.text import _language_model
+from relprop.cli.app import CommandError, _write_json, app, example, out_option
+from relprop.cli.text import _language_model, _model_name, bars_option
 from relprop.workflows.patching import COMPONENTS, METHODS, Patching, recovery
 
 
@@ -31,11 +31,6 @@ def _token(tokenizer: Any, text: str, what: str) -> int:
     return int(ids[0])
 
 
-def _model_name(model: str) -> str:
-    """The model as the pictures name it: SmolLM2's own name, or the folder's."""
-    return "SmolLM2-135M-Instruct" if model == "smollm2" else Path(model).resolve().name
-
-
 def _pictures(found: dict[str, dict[str, torch.Tensor]], tokens: list[str], ks: list[int],
               curves: dict[str, torch.Tensor], out: Path, about: str, preset: str) -> None:
     """heads.png, residual.png and circuit.png, each titled with what was patched and ``about`` (the model, the
@@ -54,7 +49,10 @@ def _pictures(found: dict[str, dict[str, torch.Tensor]], tokens: list[str], ks: 
                         title=f"The top k heads patched clean, all others corrupted {about}")
 
 
-@app.command("patch")
+@app.command("patch", short_help="Which heads carry a behaviour: heatmaps, curve, JSON.",
+             epilog=example('relprop patch --clean "When Mary and John went to the store, John gave a drink to" \\',
+                            '    --corrupted "When Mary and John went to the store, Mary gave a drink to" \\',
+                            '    --answer " Mary" --foil " John" --out out'))
 @click.option("--model", default="smollm2", show_default=True, metavar="NAME",
               help="smollm2 (SmolLM2-135M-Instruct, shipped offline), or a local Hugging Face model folder.")
 @click.option("--clean", required=True, help="The prompt that shows the behaviour.")
@@ -64,13 +62,15 @@ def _pictures(found: dict[str, dict[str, torch.Tensor]], tokens: list[str], ks: 
 @click.option("--foil", required=True, help="The corrupted run's answer, one token, e.g. ' John'.")
 @click.option("--preset", type=click.Choice(["attnlrp", "cp-lrp", "epsilon"]), default="attnlrp",
               help="The rules of relevance patching.")
+@bars_option
 @out_option()
-def patch(model: str, clean: str, corrupted: str, answer: str, foil: str, preset: str, out: Path) -> None:
+def patch(model: str, clean: str, corrupted: str, answer: str, foil: str, preset: str, loading_bars: bool,
+          out: Path) -> None:
     """Activation, attribution and relevance patching of one prompt pair, metric logit[answer] - logit[foil] at the
     last position: out/heads.png (layers x heads), out/residual.png (layers x positions), out/circuit.png (the
     metric recovered by the top heads of each method) and out/patching.json."""
     torch.set_num_threads(min(torch.get_num_threads(), 4))  # small batches: more threads only contend
-    network, loaded = _language_model(model)
+    network, loaded = _language_model(model, loading_bars)
     tokenizer: Any = loaded
     clean_ids, corrupted_ids = _ids(tokenizer, clean, "clean prompt"), _ids(tokenizer, corrupted, "corrupted prompt")
     if clean_ids.shape != corrupted_ids.shape:
