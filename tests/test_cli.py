@@ -406,3 +406,21 @@ def test_atlas_writes_one_picture_per_channel_and_an_index(tmp_path):
     assert len(pictures) == 32 and (tmp_path / "atlas" / "index.html").exists()  # features.3 has 32 channels
     wrong = relprop_run(*run[:-2], "--layer", "nothing", "--out", tmp_path / "other", cwd=tmp_path)
     assert wrong.returncode == 2 and len(wrong.stderr.splitlines()) == 1 and "no module 'nothing'" in wrong.stderr
+
+
+def test_each_command_says_in_one_line_what_it_writes_and_shows_an_example():
+    from click.testing import CliRunner
+
+    from relprop.cli import app
+
+    runner = CliRunner()
+    listing = runner.invoke(app, ["--help"], terminal_width=80)
+    assert listing.exit_code == 0
+    for name, command in app.commands.items():
+        summary = command.short_help
+        assert summary and f"  {name}" in listing.output and summary in listing.output, name  # whole, not cut
+        assert any(word in summary for word in (".png", ".json", ".html", "HTML", "JSON", "shards")), summary
+        shown = runner.invoke(app, [name, "--help"], terminal_width=80)
+        assert shown.exit_code == 0
+        example = shown.output.split("Example:\n", 1)[1]
+        assert example.lstrip().startswith(f"relprop {name} "), (name, example)
