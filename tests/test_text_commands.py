@@ -3,6 +3,7 @@ pictures' texts (read from the matplotlib figures), and answers of several token
 saved as a local Hugging Face folder, with a real tokenizer (all-MiniLM-L6-v2's)."""
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -54,7 +55,7 @@ def test_explain_text_says_it_stopped_and_names_every_file(decoder, tmp_path, ca
                         f"{tmp_path / 'generation.json'}"
     assert "Loading weights" not in printed.err  # transformers' bars: only with --loading-bars
     page = (tmp_path / "generation.html").read_text(encoding="utf-8")
-    header = re.search(r'<header id="about">(.*?)</header>', page, re.S)
+    header = re.search(r'<header id="about">(.*?)</header>', page, re.DOTALL)
     assert header is not None
     fields = dict(re.findall(r"<dt>(.*?)</dt><dd>(.*?)</dd>", header.group(1)))
     assert fields["prompt"] == PROMPT and fields["model"] == decoder.name and fields["preset"] == "attnlrp"
@@ -129,7 +130,7 @@ def test_the_circuit_ticks_do_not_overlap(tmp_path, figures):
     labels = [label for label in figures["circuit.png"].axes[0].get_xticklabels() if label.get_text()]
     assert [label.get_text() for label in labels] == ["1", "2", "4", "8", "16", "32", "64", "128", "270"]
     boxes = [label.get_window_extent() for label in labels]
-    assert all(left.x1 < right.x0 for left, right in zip(boxes, boxes[1:]))
+    assert all(left.x1 < right.x0 for left, right in itertools.pairwise(boxes))
 
 
 @pytest.mark.parametrize("option, text, pieces", [("--answer", " maryanne", "('mary', '##anne')"),

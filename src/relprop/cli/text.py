@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import click
@@ -98,7 +98,7 @@ def explain_text(prompt: str, model: str, max_new_tokens: int, continuation: str
         click.echo(f"stopped at the end-of-sequence token {tokens[-1]!r} after {generated} of the "
                    f"{max_new_tokens} tokens asked for (--max-new-tokens)")
     header = {"prompt": prompt, "generated": written, "model": _model_name(model), "preset": preset,
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+              "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "generation.html", out / "relevance.png", out / "generation.json"]
     with viz.atomic_path(files[0]) as temporary:
