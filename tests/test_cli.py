@@ -59,6 +59,9 @@ def test_explain_writes_heatmaps_with_unique_names_and_normal_permissions(tmp_pa
                          "--batch-size", 3, "--figure", "--out", tmp_path / "out", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "digit0.png: class" in result.stdout
+    assert result.stdout.splitlines()[-1] == (f"-> {tmp_path / 'out' / 'explain.json'}, {tmp_path / 'out' / 'explain.png'}"
+                                              f", and a _relevance.png and an _overlay.png per image in "
+                                              f"{tmp_path / 'out'}")
     assert files_below(tmp_path / "out") == ["a/x_overlay.png", "a/x_relevance.png", "b/x_overlay.png",
                                              "b/x_relevance.png", "digit0_overlay.png", "digit0_relevance.png",
                                              "digit1_overlay.png", "digit1_relevance.png", "explain.json",

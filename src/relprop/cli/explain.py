@@ -145,6 +145,8 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
         viz.save_heatmap_grid(torch.stack([p for p, _ in shown]), {column: torch.stack([r for _, r in shown])},
                               out / "explain.png", predictions=[e["prediction"] for e in summary], cmap=cmap,
                               clip=clip, title=options, class_names=classes)
+    summaries = [out / "explain.json", *([out / "explain.png"] if figure else [])]
+    click.echo(f"-> {', '.join(map(str, summaries))}, and a _relevance.png and an _overlay.png per image in {out}")
 
 
 def _options_text(preset: str, clip: float | None, normalize: str | None, channels: int, whole: bool | None) -> str:

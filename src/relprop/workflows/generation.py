@@ -174,7 +174,8 @@ body { font-family: sans-serif; max-width: 60em; margin: 2em auto; line-height: 
 .ws { color: grey; }
 #note { color: #555; font-size: 90%; line-height: 1.4; }
 #about h1 { font-size: 130%; margin-bottom: 0.3em; }
-#about dl { display: grid; grid-template-columns: max-content auto; gap: 0 1em; line-height: 1.4; margin: 0; }
+#about dl { display: grid; grid-template-columns: max-content auto; align-items: baseline; gap: 0 1em; line-height: 1.4;
+            margin: 0; }
 #about dt { color: #555; }
 #about dd { margin: 0; font-family: monospace; white-space: pre-wrap; }
 </style></head><body>
