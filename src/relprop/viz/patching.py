@@ -94,7 +94,7 @@ def save_circuit_curves(ks: Sequence[int], curves: Mapping[str, torch.Tensor], p
     Every ``k`` is a point; those too close on the log axis to a larger one (:func:`_spread_ticks`) are not
     labelled.
     """
-    figure, axis = plt.subplots(figsize=(5.6, 4.2), layout="constrained")
+    figure, axis = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
     for name, curve in curves.items():
         axis.plot(list(ks), curve.detach().double().cpu().numpy(), marker="o", markersize=3, label=name)
     axis.set_xscale("log", base=2)
@@ -106,5 +106,5 @@ def save_circuit_curves(ks: Sequence[int], curves: Mapping[str, torch.Tensor], p
     axis.set_ylabel("share of m(clean) - m(corrupted) recovered", fontsize=9)
     axis.legend(fontsize=8, title="heads ranked by", title_fontsize=8)
     if title:
-        figure.suptitle(_wrap(title, 4.6, 9), fontsize=9)
+        figure.suptitle(_wrap(title, 6.0, 9), fontsize=9)
     return _save_figure(figure, path, dpi)
