@@ -137,6 +137,8 @@ def test_explain_text_with_a_local_hugging_face_folder(tmp_path):
     assert saved["tokens"] == ["[CLS]", "a", "wonderful", "film", "[SEP]"] and len(saved["relevance"]) == 5
     assert "<span" in (tmp_path / "out" / "text.html").read_text()
     assert "\x1b[" not in result.stdout  # no terminal colour codes into a pipe
+    assert result.stdout.splitlines()[-1] == f"-> {tmp_path / 'out' / 'text.html'}, {tmp_path / 'out' / 'text.json'}"
+    assert "Loading weights" not in result.stderr  # transformers' progress bar
 
 
 def test_explain_dataset_writes_shards_resumes_and_refuses_another_run(tmp_path):

@@ -238,13 +238,15 @@ def _explain_text(text: str, folder: str, preset: str, target: int | None, out: 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from relprop import viz
+    from relprop.workflows.smollm2 import loading_bars
 
     if not Path(folder).is_dir():
         raise CommandError(f"no such model folder: {folder} (with --text, --model is a Hugging Face model folder)")
     config = AutoConfig.from_pretrained(folder)
     causal = any(name.endswith("ForCausalLM") for name in (config.architectures or []))
     factory = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
-    model = factory.from_pretrained(folder).eval()
+    with loading_bars(False):  # transformers' "Loading weights" bar would clutter the relevance printed
+        model = factory.from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     encoded = tokenizer([text], return_tensors="pt")
     with torch.no_grad():
@@ -267,7 +269,7 @@ def _explain_text(text: str, folder: str, preset: str, target: int | None, out: 
         temporary.write_text(viz.text_html(tokens, relevance[0]))
     _write_json({"tokens": tokens, "relevance": relevance[0].tolist(), "target": chosen, "label": label},
                 out / "text.json")
-    click.echo(f"-> {out / 'text.html'}")
+    click.echo(f"-> {out / 'text.html'}, {out / 'text.json'}")
 
 
 @app.command(short_help="Pixel-flipping AOPC per method: aopc.json and a plot.",
