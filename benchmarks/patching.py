@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from relprop.workflows.patching import COMPONENTS, Patching, recovery
+from relprop.workflows.patching import Patching, recovery
 from relprop.workflows.smollm2 import load_smollm2
 
 NAMES = [("Mary", "John"), ("Anna", "Tom"), ("Sarah", "David"), ("Emma", "James"), ("Lisa", "Mark"),
@@ -84,6 +84,8 @@ def _tasks() -> dict[str, list[tuple[str, str, str, str]]]:
 
 
 TASKS = _tasks()
+#: the kinds of component this benchmark measures (benchmarks/circuits.py measures the per-position ones)
+COMPONENTS = ("heads", "mlps", "residual")
 
 
 def pearson(a: torch.Tensor, b: torch.Tensor) -> float:

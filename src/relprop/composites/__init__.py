@@ -50,6 +50,8 @@ from relprop.composites.presets import (
                                         EpsilonGammaBox,
                                         EpsilonPlus,
                                         EpsilonPlusFlat,
+                                        RelP,
+                                        RelPAH,
                                         box_bounds,
                                         get,
 )
@@ -57,5 +59,5 @@ from relprop.composites.presets import (
 __all__ = [
     "Composite", "Epsilon", "EpsilonPlus", "EpsilonPlusFlat", "EpsilonAlpha2Beta1", "EpsilonAlpha2Beta1Flat",
     "EpsilonGammaBox", "AttnLRP", "CPLRP", "PRESETS", "get", "function_name", "box_bounds", "NORMALIZATIONS",
-    "BOUNDS_NEEDED",
+    "BOUNDS_NEEDED", "RelP", "RelPAH",
 ]

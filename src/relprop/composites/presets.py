@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from relprop import rules
-from relprop._core.kinds import GATE_TAGS
-from relprop.composites.composite import Composite, _short_value, _tensor
+from relprop._core.kinds import GATE_TAGS, OpKind
+from relprop.composites.composite import Composite, _pairs, _short_value, _tensor
 
 
 class Epsilon(Composite):
@@ -177,6 +177,62 @@ class CPLRP(AttnLRP):
         self.attention = self._gated
 
 
+class RelP(Composite):
+    """RelP's default rules (Jafari et al. 2025, Relevance Patching), on any decoder relprop explains.
+
+    - LN-rule (Ali et al. 2022): a layer or RMS norm's standard deviation is held constant, the rest is linear;
+    - Identity-rule (Jafari et al. 2024): an activation function passes ``act(x) / x``, with ``x`` stabilised by
+      ``epsilon`` as in the reference implementation (:class:`~relprop.rules.Identity`);
+    - Half-rule: both factors of a gated product (``act(gate) * up``) take half;
+    - 0-rule (LRP-0) on linear layers and sums;
+    - attention: the plain gradient (:class:`~relprop.rules.PlainGradient`), or with ``hold_attention`` its
+      AH-rule (Ali et al. 2022): the attention weights held constant, the values take all (preset ``relp-ah``).
+
+    Carried in gradient form: every rule is a modified gradient, so relevance patching reads ``R / a`` as a
+    gradient. ``RelP(hold_attention=True, epsilon=0)`` equals ``Epsilon(0)``.
+
+    Parameters
+    ----------
+    epsilon : float
+        The Identity-rule's stabiliser (the reference's 1e-6; 0: the exact ratio ``act(x) / x``).
+    hold_attention : bool
+        The AH-rule on attention instead of the plain gradient.
+    """
+
+    gradient_form = True
+
+    def __init__(self, epsilon: float = 1e-6, hold_attention: bool = False, **kwargs: Any) -> None:
+        plain = rules.PlainGradient()
+        if hold_attention:  # attention weights are gates, as in CP-LRP: the values take all
+            self.gate_kinds = GATE_TAGS | {"softmax"}
+        else:
+            # the plain gradient through the attention's own products where they are not fused (eager
+            # attention): a decoder multiplies two activations with matmul only there
+            kwargs["func_map"] = [(torch.matmul, plain), (torch.bmm, plain), *_pairs(kwargs.get("func_map"))]
+        super().__init__(0.0, **kwargs)  # LRP-0 on linear maps, sums and norms (their std held: the LN-rule)
+        self.epsilon, self.hold_attention = epsilon, hold_attention  # the 0-rule has none: the Identity-rule's
+        self.activation = rules.Identity(epsilon)
+        self.softmax: rules.Rule = self._softmax if hold_attention else plain
+        if not hold_attention:
+            self.attention = plain
+
+    #: activation functions take the Identity-rule; a softmax (eager attention) the plain gradient or its own rule
+    DEFAULTS = MappingProxyType({**Composite.DEFAULTS, OpKind.ELEMENTWISE: "activation", OpKind.SOFTMAX: "softmax"})
+
+    def _parameters(self) -> list[str]:
+        return [f"hold_attention={self.hold_attention!r}"] if self.hold_attention else []
+
+
+class RelPAH(RelP):
+    """RelP with its AH-rule: the attention weights held constant (preset ``relp-ah``); see :class:`RelP`."""
+
+    def __init__(self, epsilon: float = 1e-6, **kwargs: Any) -> None:
+        super().__init__(epsilon, hold_attention=True, **kwargs)
+
+    def _parameters(self) -> list[str]:
+        return []
+
+
 #: Preset names (zennit's, with dashes) and their classes.
 PRESETS: dict[str, type[Composite]] = {
     "epsilon": Epsilon,
@@ -187,6 +243,8 @@ PRESETS: dict[str, type[Composite]] = {
     "epsilon-gamma-box": EpsilonGammaBox,
     "attnlrp": AttnLRP,
     "cp-lrp": CPLRP,
+    "relp": RelP,
+    "relp-ah": RelPAH,
 }
 
 

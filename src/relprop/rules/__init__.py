@@ -30,6 +30,7 @@ from relprop._core.rule import Gradient, Pass, Reads, Rule
 from relprop.rules.basic import AlphaBeta, BasicRule, Flat, Gamma, WSquare, ZBox, ZPlus
 from relprop.rules.epsilon import LINEAR_KINDS, PARAMETRIC_KINDS, Epsilon, Norm
 from relprop.rules.functions import AsFunction, Proportional
+from relprop.rules.passing import Identity, PlainGradient
 from relprop.rules.products import SignalTakesAll, Softmax, UniformProduct, attention_relevance
 from relprop.rules.smooth_stride import SmoothStride
 from relprop.rules.stabilizers import denominator, inverse_denominator
@@ -38,7 +39,7 @@ from relprop.rules.terms import Shares, Term
 __all__ = [
     "Rule", "Reads", "Epsilon", "Norm", "BasicRule", "Term", "Shares", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
     "Flat", "WSquare", "Pass", "Gradient", "UniformProduct", "SignalTakesAll", "Softmax", "AsFunction", "Proportional",
-    "SmoothStride", "attention_relevance",
+    "SmoothStride", "attention_relevance", "Identity", "PlainGradient",
     "denominator", "inverse_denominator", "LINEAR_KINDS", "PARAMETRIC_KINDS",
     # the contract a rule reads (what an op call offers) and the op kinds
     "OpKind", "Call", "ParametricView", "ProductView", "SoftmaxView", "PoolView", "AttentionView", "is_parametric",

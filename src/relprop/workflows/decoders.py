@@ -8,8 +8,8 @@ found alike, grouped-query attention too: the output projection's input has a sl
 query head.
 
 A *site* is one tensor of the forward pass, per layer: the input of an output
-projection, the output of an MLP, the hidden state entering a layer (or leaving
-the last). :func:`capture` keeps the tensors at sites during a forward pass,
+projection, the output of an attention block or of an MLP, the hidden state
+entering a layer (or leaving the last). :func:`capture` keeps the tensors at sites during a forward pass,
 :func:`replace` overwrites entries of them; both remove their hooks on exit, also
 when an exception flies.
 """
@@ -50,6 +50,8 @@ class Decoder:
         The decoder layers, in order.
     heads : tuple of Site
         Per layer, the input of the attention's output projection: ``(B, T, heads * head_dim)``.
+    attentions : tuple of Site
+        Per layer, the attention block's output (its first output): ``(B, T, hidden)``.
     mlps : tuple of Site
         Per layer, the MLP's output.
     residual : tuple of Site
@@ -59,13 +61,10 @@ class Decoder:
 
     layers: tuple[nn.Module, ...]
     heads: tuple[Site, ...]
+    attentions: tuple[Site, ...]
     mlps: tuple[Site, ...]
     residual: tuple[Site, ...]
     head_count: int
-
-    def sites(self, components: str) -> tuple[Site, ...]:
-        """The sites of ``"heads"``, ``"mlps"`` or ``"residual"``."""
-        return {"heads": self.heads, "mlps": self.mlps, "residual": self.residual}[components]
 
 
 def _config_value(objects: Sequence[Any], names: Sequence[str]) -> int | None:
@@ -87,7 +86,7 @@ def _child(parent: nn.Module, names: Sequence[str], what: str, where: str) -> tu
 
 
 def find_decoder(model: nn.Module) -> Decoder:
-    """The layers, heads, MLPs and residual sites of a decoder language model, from its own modules.
+    """The layers, heads, attention, MLP and residual sites of a decoder language model, from its own modules.
 
     Raises ``ValueError`` naming what could not be found: the list of layers, a layer's attention, its output
     projection, its MLP, or the number of heads.
@@ -108,7 +107,7 @@ def find_decoder(model: nn.Module) -> Decoder:
                if any(isinstance(getattr(module[0], attribute, None), nn.Module) for attribute in ATTENTION)]
     path, layer_list = max(layered or lists, key=lambda item: len(item[1]))
     layers = tuple(layer_list)
-    heads, mlps, residual = [], [], []
+    heads, attentions, mlps, residual = [], [], [], []
     head_count = None
     for index, layer in enumerate(layers):
         where = f"{path}.{index}"
@@ -117,6 +116,7 @@ def find_decoder(model: nn.Module) -> Decoder:
                                              f"{where}.{attention_name}")
         mlp_name, mlp = _child(layer, MLP, "MLP", where)
         heads.append(Site(projection, False, f"{where}.{attention_name}.{projection_name}"))
+        attentions.append(Site(attention, True, f"{where}.{attention_name}"))
         mlps.append(Site(mlp, True, f"{where}.{mlp_name}"))
         residual.append(Site(layer, False, where))
         if head_count is None:
@@ -125,7 +125,7 @@ def find_decoder(model: nn.Module) -> Decoder:
     if head_count is None:
         raise ValueError(f"relprop: patching found no number of attention heads in {type(model).__name__}: it reads "
                          f"{', '.join(HEAD_COUNTS)} on the attention module or the config")
-    return Decoder(layers, tuple(heads), tuple(mlps), tuple(residual), head_count)
+    return Decoder(layers, tuple(heads), tuple(attentions), tuple(mlps), tuple(residual), head_count)
 
 
 def _first(value: Any) -> Tensor | None:

@@ -1,5 +1,9 @@
 """Which heads, MLPs and residual positions carry a behaviour: activation, attribution and relevance patching.
 
+The kinds of component (heads, MLPs, the residual stream, attention and MLP
+outputs per position) are objects of :mod:`relprop.workflows.components`;
+the methods below work on any of them.
+
 A clean and a corrupted prompt of equal length differ where the behaviour does
 (" John gave a drink to" after "Mary and John" against after "John and Mary"),
 and a metric ``m`` of the logits measures it (``logit[" Mary"] - logit[" John"]``
@@ -24,7 +28,7 @@ pass for every component at once.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Union
 
@@ -36,11 +40,11 @@ from relprop._core.modules import evaluation
 from relprop._core.tensors import per_unit
 from relprop.methods.attribution import LRP
 from relprop.methods.targets import model_logits
+from relprop.workflows.components import COMPONENTS, Component, resolve
 from relprop.workflows.decoders import Decoder, Site, capture, find_decoder, replace
 
 __all__ = ["COMPONENTS", "METHODS", "Patching", "patching", "recovery"]
 
-COMPONENTS = ("heads", "mlps", "residual")
 METHODS = ("activation", "attribution", "relp")
 #: the answer and foil token ids (ints or ``(B,)`` tensors), or a function of the logits to a ``(B,)`` metric
 PatchTarget = Union[tuple[Any, Any], Callable[[Tensor], Tensor]]
@@ -135,22 +139,24 @@ class Patching:
             logits = model_logits(self.model(ids.repeat(copies, 1), **self._arguments(copies)))
         return torch.stack([self.metric(chunk) for chunk in logits.split(self.batch)])
 
-    def activations(self, components: str, clean: bool) -> list[Tensor]:
+    def activations(self, components: str | Component, clean: bool) -> list[Tensor]:
         """The activation at each site of ``components`` in the clean (or corrupted) run, kept once computed.
 
-        One forward pass keeps those of every kind of component.
+        One forward pass keeps those of every kind of component registered (and of ``components``).
         """
+        kind = resolve(components)
         kept = self._activations.setdefault(clean, {})
-        if components not in kept:
-            sites = [site for name in COMPONENTS for site in self.decoder.sites(name)]
-            with torch.no_grad(), capture(sites) as found:
+        if kind.name not in kept:
+            kinds = [*COMPONENTS.values(), *([] if COMPONENTS.get(kind.name) is kind else [kind])]
+            unique, where = _unique([site for each in kinds for site in each.sites(self.decoder)])
+            with torch.no_grad(), capture(unique) as found:
                 model_logits(self.model(self.clean if clean else self.corrupted, **self._arguments()))
-            tensors = _checked(found, sites, self.batch)
-            for name in COMPONENTS:
-                count = len(self.decoder.sites(name))
-                kept.setdefault(name, tensors[:count])
+            tensors = [_checked(found, unique, self.batch)[i] for i in where]
+            for each in kinds:
+                count = len(each.sites(self.decoder))
+                kept.setdefault(each.name, tensors[:count])
                 tensors = tensors[count:]
-        return kept[components]
+        return kept[kind.name]
 
     def metrics(self) -> tuple[Tensor, Tensor]:
         """``(B,)`` metrics of the clean and of the corrupted run."""
@@ -158,47 +164,49 @@ class Patching:
             self._metrics = (self._run(self.clean)[0], self._run(self.corrupted)[0])
         return self._metrics
 
-    def _units(self, components: str) -> int:
-        return {"heads": self.decoder.head_count, "mlps": 1, "residual": self.length}[components]
-
-    def patched(self, components: str, masks: dict[int, Tensor]) -> Tensor:
+    def patched(self, components: str | Component, masks: dict[int, Tensor]) -> Tensor:
         """The metric of the corrupted run with chosen units clean, for ``K`` choices at once: ``(K, B)``.
 
-        ``masks[i]`` is a ``(K, B, units)`` boolean tensor for site ``i`` of ``components``: which heads (or, for
-        ``"residual"``, which positions; for ``"mlps"`` one unit) take their clean activation in copy ``k``.
+        ``masks[i]`` is a ``(K, B, units)`` boolean tensor for site ``i`` of ``components``: which units (heads,
+        positions; for ``"mlps"`` one unit) take their clean activation in copy ``k``.
         """
-        sites, clean = self.decoder.sites(components), self.activations(components, True)
-        copies = next(iter(masks.values())).shape[0]
+        return self.patched_together({resolve(components): masks})
 
-        def edit(i: int) -> Callable[[Tensor], Tensor]:
-            def patch(tensor: Tensor) -> Tensor:
-                mask = masks[i].reshape(copies * self.batch, -1).to(tensor.device)
-                source = clean[i].repeat(copies, 1, 1)
-                return torch.where(self._broadcast(components, mask, tensor), source.view_as(tensor), tensor)
-            return patch
+    def patched_together(self, masks: dict[Component, dict[int, Tensor]]) -> Tensor:
+        """:meth:`patched` for units of several kinds at once (a circuit of heads and MLPs): ``(K, B)``.
 
-        with replace(sites, {i: edit(i) for i in masks}):
+        ``masks[kind][i]`` is a ``(K, B, units)`` boolean tensor for site ``i`` of ``kind``; every mask has the same
+        ``K``. A site two kinds share takes the clean entries of both.
+        """
+        sites: list[Site] = []
+        edits: list[Callable[[Tensor], Tensor]] = []
+        copies = next(iter(next(iter(masks.values())).values())).shape[0]
+        for kind, chosen in masks.items():
+            own, clean = kind.sites(self.decoder), self.activations(kind, True)
+            for i, mask in chosen.items():
+                sites.append(own[i])
+                edits.append(self._edit(kind, clean[i], mask, copies))
+        with replace(sites, dict(enumerate(edits))):
             return self._run(self.corrupted, copies)
 
-    def _broadcast(self, components: str, mask: Tensor, tensor: Tensor) -> Tensor:
-        """A ``(N, units)`` mask shaped to select entries of a site's ``(N, T, width)`` tensor."""
-        rows, length, width = tensor.shape
-        if components == "heads":
-            heads = self.decoder.head_count
-            return mask.view(rows, 1, heads, 1).expand(rows, length, heads, width // heads).reshape(tensor.shape)
-        if components == "mlps":
-            return mask.view(rows, 1, 1).expand(tensor.shape)
-        return mask.view(rows, length, 1).expand(tensor.shape)
+    def _edit(self, kind: Component, clean: Tensor, mask: Tensor, copies: int) -> Callable[[Tensor], Tensor]:
+        """The edit of one site: its clean entries where ``mask`` (``(K, B, units)``) chooses a unit."""
+        def patch(tensor: Tensor) -> Tensor:
+            rows = mask.reshape(copies * self.batch, -1).to(tensor.device)
+            source = clean.repeat(copies, 1, 1)
+            return torch.where(kind.select(rows, tensor, self.decoder), source.view_as(tensor), tensor)
+        return patch
 
     # the methods
 
-    def activation(self, components: str) -> Tensor:
+    def activation(self, components: str | Component) -> Tensor:
         """Exact activation patching: ``m(corrupted, component clean) - m(corrupted)`` for every component."""
-        sites, units = self.decoder.sites(components), self._units(components)
-        clean, corrupted = self.activations(components, True), self.activations(components, False)
+        kind = resolve(components)
+        sites, units = kind.sites(self.decoder), kind.units(self.decoder, self.length)
+        clean, corrupted = self.activations(kind, True), self.activations(kind, False)
         # a component whose activations are the same in both runs has no effect: no run for it (the residual
         # stream before the first token that differs)
-        differs = torch.stack([self._reduce(components, (a != b).to(a.dtype)).reshape(self.batch, -1) != 0
+        differs = torch.stack([kind.reduce((a != b).to(a.dtype), self.decoder).reshape(self.batch, -1) != 0
                                for a, b in zip(clean, corrupted)], 1).any(0).flatten()  # (sites * units,)
         run = differs.nonzero().flatten().tolist()
         per_run = max(1, TOKENS_PER_RUN // (self.batch * self.length))
@@ -211,11 +219,10 @@ class Patching:
                 if site not in masks:
                     masks[site] = torch.zeros(len(chosen), self.batch, units, dtype=torch.bool)
                 masks[site][copy, :, unit] = True
-            found[chosen] = self.patched(components, masks).to(found.device) - self.metrics()[1]
-        effects = found.T.reshape(self.batch, len(sites), units)
-        return effects.squeeze(-1) if components == "mlps" else effects
+            found[chosen] = self.patched(kind, masks).to(found.device) - self.metrics()[1]
+        return kind.shape(found.T.reshape(self.batch, len(sites), units))
 
-    def coefficients(self, components: Sequence[str], composite: composites.Composite | str | None,
+    def coefficients(self, components: Iterable[str | Component], composite: composites.Composite | str | None,
                      at: str = "corrupted") -> dict[str, list[Tensor]]:
         """``dm/da`` (``composite`` None) or the relevance per unit of activation ``R / a`` at every site.
 
@@ -224,7 +231,8 @@ class Patching:
         """
         if at not in ("clean", "corrupted"):
             raise ValueError(f"relprop: coefficients are read at the clean or the corrupted run, not {at!r}")
-        sites = [site for name in components for site in self.decoder.sites(name)]
+        kinds = [resolve(name) for name in components]
+        sites, where = _unique([site for kind in kinds for site in kind.sites(self.decoder)])
         ids = self.clean if at == "clean" else self.corrupted
         # the plain gradient starts where the first layer does: also for a model whose parameters need no grad
         start = {0: lambda tensor: tensor.detach().requires_grad_()} if composite is None else {}
@@ -253,40 +261,45 @@ class Patching:
             grad = next(grads) if tensor.requires_grad else None
             grad = torch.zeros_like(tensor) if grad is None else grad
             coefficients.append(grad if gradient_form else per_unit(grad, tensor.detach()))
+        coefficients, tensors = [coefficients[i] for i in where], [tensors[i] for i in where]
         found_by: dict[str, list[Tensor]] = {}
-        for name in components:
-            count = len(self.decoder.sites(name))
-            found_by[name], coefficients = coefficients[:count], coefficients[count:]
+        for kind in kinds:
+            count = len(kind.sites(self.decoder))
+            found_by[kind.name], coefficients = coefficients[:count], coefficients[count:]
             # the activations of this run, for the estimate: no second forward pass over the same prompts
-            self._activations.setdefault(at == "clean", {}).setdefault(name, [t.detach() for t in tensors[:count]])
+            self._activations.setdefault(at == "clean", {}).setdefault(kind.name,
+                                                                       [t.detach() for t in tensors[:count]])
             tensors = tensors[count:]
         return found_by
 
-    def estimate(self, components: Sequence[str], composite: composites.Composite | str | None,
+    def estimate(self, components: Iterable[str | Component], composite: composites.Composite | str | None,
                  at: str = "corrupted") -> dict[str, Tensor]:
         """``(a_clean - a_corrupted) . c``, summed over each component's entries and positions, with ``c`` the
         gradient (``composite`` None) or the relevance per unit of activation, read at ``at``: ``"corrupted"``,
         ``"clean"``, or ``"both"`` (their mean, the trapezoidal rule: a second pass under the engine)."""
         if at not in ("clean", "corrupted", "both"):
             raise ValueError(f"relprop: coefficients are read at the clean run, the corrupted run or both, not {at!r}")
+        kinds = [resolve(name) for name in components]
         if at == "both":
-            runs = [self.coefficients(components, composite, side) for side in ("clean", "corrupted")]
-            found = {name: [(a + b) / 2 for a, b in zip(runs[0][name], runs[1][name])] for name in components}
+            runs = [self.coefficients(kinds, composite, side) for side in ("clean", "corrupted")]
+            found = {kind.name: [(a + b) / 2 for a, b in zip(runs[0][kind.name], runs[1][kind.name])]
+                     for kind in kinds}
         else:
-            found = self.coefficients(components, composite, at)
+            found = self.coefficients(kinds, composite, at)
         estimates = {}
-        for name, coefficients in found.items():
-            clean, corrupted = self.activations(name, True), self.activations(name, False)
-            products = [(a - b) * c for a, b, c in zip(clean, corrupted, coefficients)]
-            estimates[name] = torch.stack([self._reduce(name, p) for p in products], 1)
+        for kind in kinds:
+            clean, corrupted = self.activations(kind, True), self.activations(kind, False)
+            products = [(a - b) * c for a, b, c in zip(clean, corrupted, found[kind.name])]
+            estimates[kind.name] = kind.shape(torch.stack([kind.reduce(p, self.decoder) for p in products], 1))
         return estimates
 
-    def _reduce(self, components: str, product: Tensor) -> Tensor:
-        """A site's ``(B, T, width)`` products summed per component: ``(B, heads)``, ``(B,)`` or ``(B, T)``."""
-        if components == "heads":
-            heads = self.decoder.head_count
-            return product.view(self.batch, self.length, heads, -1).sum((1, 3))
-        return product.sum((1, 2)) if components == "mlps" else product.sum(2)
+
+def _unique(sites: Sequence[Site]) -> tuple[list[Site], list[int]]:
+    """The distinct sites (one hook each where kinds share a site), and where each of ``sites`` is among them."""
+    index: dict[Site, int] = {}
+    for site in sites:
+        index.setdefault(site, len(index))
+    return list(index), [index[site] for site in sites]
 
 
 def _parameters(model: nn.Module) -> set[str]:
@@ -309,12 +322,11 @@ def _checked(found: Sequence[Tensor | None], sites: Sequence[Site], batch: int) 
     return tensors
 
 
-def _components(components: str | Sequence[str]) -> list[str]:
-    names = [components] if isinstance(components, str) else list(components)
-    unknown = [name for name in names if name not in COMPONENTS]
-    if unknown or not names:
-        raise ValueError(f"relprop: unknown components {unknown or names!r}; choose from {', '.join(COMPONENTS)}")
-    return names
+def _components(components: str | Component | Sequence[str | Component]) -> list[Component]:
+    given = [components] if isinstance(components, (str, Component)) else list(components)
+    if not given:
+        raise ValueError(f"relprop: no components given; choose from {', '.join(COMPONENTS)}")
+    return [resolve(name) for name in given]
 
 
 #: where relp reads its coefficients (the benchmark measures both; see docs/guide/patching.md)
@@ -322,7 +334,7 @@ RELP_AT = "corrupted"
 
 
 def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target: PatchTarget, *,
-             components: str | Sequence[str] = "heads", method: str = "relp",
+             components: str | Component | Sequence[str | Component] = "heads", method: str = "relp",
              composite: composites.Composite | str = "attnlrp",
              attention_mask: Tensor | None = None) -> Tensor | dict[str, Tensor]:
     """The effect of each head, MLP or residual position on a metric: patched, or estimated by gradient or LRP.
@@ -341,11 +353,14 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
     target : (answer, foil) or callable
         Token ids (ints or ``(B,)`` tensors): the metric is ``logit[answer] - logit[foil]`` at the last position.
         Or a function from the model's logits to a ``(B,)`` metric.
-    components : {"heads", "mlps", "residual"} or a sequence of them
+    components : {"heads", "mlps", "residual", "attn_out", "mlp_out"}, a Component, or a sequence of them
         ``"heads"``: ``(B, layers, heads)``, each head's slice of the input of the attention's output projection,
         all positions. ``"mlps"``: ``(B, layers)``, each MLP's output, all positions. ``"residual"``:
-        ``(B, layers + 1, T)``, the hidden state entering each layer and leaving the last, per position. A sequence
-        returns a dict by name, from one pass for the estimates.
+        ``(B, layers + 1, T)``, the hidden state entering each layer and leaving the last, per position.
+        ``"attn_out"``: ``(B, layers, T)``, each attention block's output per position. ``"mlp_out"``:
+        ``(B, layers, T)``, each MLP's output per position. Other kinds: :data:`COMPONENTS`
+        (:mod:`relprop.workflows.components`). A sequence returns a dict by name, from one pass for the
+        estimates.
     method : {"relp", "attribution", "activation"}
         ``"activation"``: exact, one patched forward pass per component (batched). ``"attribution"``:
         ``(a_clean - a_corrupted) . dm/da`` with the gradient at the corrupted run. ``"relp"``: the same with
@@ -370,17 +385,17 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
     >>> relprop.patching(model, clean, corrupted, (5, 6)).shape
     torch.Size([1, 2, 4])
     """
-    names = _components(components)
+    kinds = _components(components)
     if method not in METHODS:
         raise ValueError(f"relprop: unknown method {method!r}; choose from {', '.join(METHODS)}")
     rules = composites.get(composite) if method == "relp" else None
     with _evaluating(model):
         pair = Patching(model, clean_ids, corrupted_ids, target, attention_mask)
         if method == "activation":
-            found = {name: pair.activation(name) for name in names}
+            found = {kind.name: pair.activation(kind) for kind in kinds}
         else:
-            found = pair.estimate(names, rules, RELP_AT if method == "relp" else "corrupted")
-    return found[names[0]] if isinstance(components, str) else found
+            found = pair.estimate(kinds, rules, RELP_AT if method == "relp" else "corrupted")
+    return found[kinds[0].name] if isinstance(components, (str, Component)) else found
 
 
 def recovery(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target: PatchTarget, scores: Tensor,
