@@ -74,18 +74,21 @@ def test_explain_text_that_runs_to_the_end_says_no_stop(decoder, tmp_path, capsy
 
 @pytest.fixture
 def figures(monkeypatch) -> dict[str, object]:
-    """The matplotlib figures relprop.viz.patching saves, by file name, kept open to read their texts."""
-    from relprop.viz import patching
+    """The matplotlib figures relprop.viz.patching and relprop.viz.circuits save, by file name, kept open to read
+    their texts."""
+    from relprop import viz
+    from relprop.viz import circuits, patching
 
     kept: dict[str, object] = {}
-    save = patching._save_figure
+    save = viz._save_figure
 
     def keep(figure, path, dpi):
         figure.canvas.draw()  # lay out, so that the tick labels have their places
         kept[Path(path).name] = figure
         return save(figure, path, dpi)
 
-    monkeypatch.setattr(patching, "_save_figure", keep)
+    for module in (patching, circuits):
+        monkeypatch.setattr(module, "_save_figure", keep)
     return kept
 
 
@@ -98,11 +101,12 @@ def texts(artist) -> list[str]:
 def test_every_picture_of_patch_says_what_it_shows(decoder, tmp_path, figures, capsys):
     assert run("patch", "--model", decoder, "--clean", CLEAN, "--corrupted", CORRUPTED, "--answer", " mary",
                "--foil", " john", "--preset", "cp-lrp", "--out", tmp_path) == 0
-    assert set(figures) == {"heads.png", "residual.png", "circuit.png"}
+    assert set(figures) == {"heads.png", "residual.png", "circuit.png", "faithfulness.png"}
     methods = ["activation patching (exact)", "attribution patching (gradient)", "relevance patching (RelP, cp-lrp)"]
     for name, what in (("heads.png", "Each attention head patched clean"),
                        ("residual.png", "Each position of the residual stream patched clean"),
-                       ("circuit.png", "The top k heads patched clean, all others corrupted")):
+                       ("circuit.png", "The top k heads patched clean, all others corrupted"),
+                       ("faithfulness.png", "Circuits of each method's top units (heads, mlps) patched clean")):
         title = figures[name]._suptitle.get_text()
         assert title.startswith(f"{what} ({decoder.name})\nm = logit[' mary'] - logit[' john'] at the last position")
         assert f"clean: {CLEAN!r}" in title and f"corrupted: {CORRUPTED!r}" in title
@@ -120,6 +124,27 @@ def test_every_picture_of_patch_says_what_it_shows(decoder, tmp_path, figures, c
     circuit = figures["circuit.png"].axes[0]
     assert circuit.get_ylabel() == "share of m(clean) - m(corrupted) recovered"
     assert texts(circuit.get_legend()) == ["heads ranked by", *methods]
+    saved = json.loads((tmp_path / "patching.json").read_text())
+    legend = texts(figures["faithfulness.png"].axes[0].get_legend())
+    assert legend == [f"{name} (CPR {saved['faithfulness'][method]['cpr']:.3f}, CMD "
+                      f"{saved['faithfulness'][method]['cmd']:.3f})"
+                      for name, method in zip(methods, ("activation", "attribution", "relp"))]
+
+
+def test_patch_takes_the_kinds_by_position_and_relp(decoder, tmp_path, figures, capsys):
+    assert run("patch", "--model", decoder, "--clean", CLEAN, "--corrupted", CORRUPTED, "--answer", " mary",
+               "--foil", " john", "--components", "mlp_out", "--components", "attn_out", "--preset", "relp",
+               "--out", tmp_path) == 0
+    assert set(figures) == {"mlp_out.png", "attn_out.png", "faithfulness.png"}  # no heads: no circuit.png
+    saved = json.loads((tmp_path / "patching.json").read_text())
+    assert saved["components"] == ["mlp_out", "attn_out"] and saved["preset"] == "relp"
+    for kind, rows in (("mlp_out", "MLP output of layer"), ("attn_out", "attention output of layer")):
+        axis = figures[f"{kind}.png"].axes[2]  # activation, attribution, relp
+        assert axis.get_ylabel() == rows and axis.get_title() == "relevance patching (RelP, relp)"
+        assert torch.tensor(saved[kind]["relp"]).shape == (2, len(saved["tokens"]))  # layers x positions
+        assert [label.get_text() for label in axis.get_xticklabels()] == saved["tokens"]
+    assert capsys.readouterr().out.splitlines()[-1] == "-> " + ", ".join(
+        str(tmp_path / name) for name in ("mlp_out.png", "attn_out.png", "faithfulness.png", "patching.json"))
 
 
 def test_the_circuit_ticks_do_not_overlap(tmp_path, figures):

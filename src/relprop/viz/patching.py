@@ -68,13 +68,15 @@ def save_head_maps(values: Mapping[str, torch.Tensor], path: str | Path, cmap: s
 
 
 def save_residual_maps(values: Mapping[str, torch.Tensor], tokens: Sequence[str], path: str | Path,
-                       cmap: str = "bwr", dpi: int = 110, title: str | None = None, label: str = EFFECT) -> Path:
+                       cmap: str = "bwr", dpi: int = 110, title: str | None = None, label: str = EFFECT,
+                       rows: str = "residual stream entering layer") -> Path:
     """``layers + 1 x positions`` maps of the residual stream's effects per method, the tokens on the axis.
 
-    Row ``l`` is the hidden state entering layer ``l``; the last row, the one leaving the last layer.
+    Row ``l`` is the hidden state entering layer ``l``; the last row, the one leaving the last layer. Any kind
+    with one unit per layer and position draws alike (``"attn_out"``, ``"mlp_out"``), ``rows`` naming its rows.
     """
-    return _maps(values, path, "position (token)", "residual stream entering layer", tokens,
-                 max(2.8, 0.3 * len(tokens) + 1.2), cmap, dpi, title, label)
+    return _maps(values, path, "position (token)", rows, tokens, max(2.8, 0.3 * len(tokens) + 1.2), cmap, dpi,
+                 title, label)
 
 
 def _spread_ticks(ks: Sequence[int], apart: float = 0.5) -> list[int]:
