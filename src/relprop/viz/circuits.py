@@ -22,7 +22,7 @@ def save_faithfulness_curves(curves: Mapping[str, Faithfulness], path: str | Pat
     """
     if not curves:
         raise ValueError("relprop: no faithfulness curves to draw")
-    figure, axis = plt.subplots(figsize=(5.4, 3.6), layout="constrained")
+    figure, axis = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
     for name, found in curves.items():
         points = [(size / found.units, float(value)) for size, value in zip(found.sizes, found.curve) if size > 0]
         axis.plot([x for x, _ in points], [y for _, y in points], marker="o", markersize=3,
@@ -34,5 +34,5 @@ def save_faithfulness_curves(curves: Mapping[str, Faithfulness], path: str | Pat
     axis.set_ylabel("F = (m(circuit) - m(corr.)) / (m(clean) - m(corr.))", fontsize=8)
     axis.legend(fontsize=7)
     if title:
-        figure.suptitle(_wrap(title, 5.0, 9), fontsize=9)
+        figure.suptitle(_wrap(title, 6.0, 9), fontsize=9)
     return _save_figure(figure, path, dpi)
