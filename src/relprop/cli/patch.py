@@ -15,8 +15,9 @@ from relprop.workflows.circuits import faithfulness
 from relprop.workflows.components import COMPONENTS
 from relprop.workflows.patching import METHODS, Patching, recovery
 
-#: the rules relevance patching can take: RelP's own, and the LRP presets for transformers
-PRESETS = ("attnlrp", "cp-lrp", "epsilon", "relp", "relp-ah")
+#: the rules relevance patching can take: RelP's own (the first, relprop.patching's default too), and the LRP
+#: presets for transformers
+PRESETS = ("relp", "relp-ah", "attnlrp", "cp-lrp", "epsilon")
 #: the kinds patched unless --components says otherwise
 DEFAULT_COMPONENTS = ("heads", "mlps", "residual")
 #: the kinds with one unit per layer and position, drawn as layers x positions maps with the tokens: what was
@@ -85,7 +86,7 @@ def _maps(found: dict[str, dict[str, torch.Tensor]], kinds: list[str], tokens: l
               default=DEFAULT_COMPONENTS, show_default=True,
               help="The kinds of component patched (repeatable): heads, MLPs, the residual stream per position, "
                    "attention and MLP outputs per position (attn_out, mlp_out: the RelP paper's grid).")
-@click.option("--preset", type=click.Choice(PRESETS), default="attnlrp",
+@click.option("--preset", type=click.Choice(PRESETS), default="relp",
               help="The rules of relevance patching: relp and relp-ah are RelP's own (Jafari et al. 2025).")
 @bars_option
 @out_option()
