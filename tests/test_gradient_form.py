@@ -279,7 +279,7 @@ SEEDS = {"one-hot": [(0, 6, 3)], "rows": [(0, 6, 3), (0, 2, 7), (1, 6, 3), (1, 6
 @pytest.mark.parametrize("entries", SEEDS.values(), ids=SEEDS)
 def test_a_seed_in_few_rows_is_divided_there_alone_and_bitwise_as_a_whole(entries, owned, monkeypatch):
     """A seed whose entries lie in a few rows (positions) is divided by the logits in those rows alone."""
-    from relprop.methods import attribution
+    from relprop.methods import forward_pass
 
     torch.manual_seed(0)
     explained = relprop.LRP(Decoder(fused=True).double().eval(), "attnlrp").record(IDS)
@@ -287,14 +287,14 @@ def test_a_seed_in_few_rows_is_divided_there_alone_and_bitwise_as_a_whole(entrie
     seed = torch.zeros_like(logits)
     for sign, index in zip((1, -1, 2.5, -0.5), entries):
         seed[index] = sign * logits[index]
-    found = _spied(attribution, monkeypatch)
+    found = _spied(forward_pass, monkeypatch)
     given = seed.clone()
     carried = explained._carried(given, owned)
     assert len(found) == 1 and found[0].tolist() == sorted({7 * b + t for b, t, _ in entries})
     assert torch.equal(carried, torch.where(logits == 0, 0.0, seed / logits))  # bitwise, 0 off the seed
     assert torch.equal(given, seed) or owned  # a seed not owned is left as it was
     relevance = explained.propagate(seed.clone(), owned)
-    monkeypatch.setattr(attribution, "held_rows", lambda tensor: None)  # the whole seed divided
+    monkeypatch.setattr(forward_pass, "held_rows", lambda tensor: None)  # the whole seed divided
     assert torch.equal(explained._carried(seed.clone(), owned), carried)
     assert torch.equal(explained.propagate(seed.clone(), owned)[0], relevance[0])
 
@@ -365,7 +365,7 @@ def test_a_stabilised_head_scales_and_transposes_the_rows_that_hold_relevance_al
 def test_a_llama_of_a_large_vocabulary_in_gradient_form_equals_the_relevance_form(epsilon, monkeypatch):
     """The seed divided in its one row, the head's product of that row alone: as the relevance form gives."""
     from relprop.engine import parametric
-    from relprop.methods import attribution
+    from relprop.methods import forward_pass
     from relprop.ops import linear
 
     config = transformers.LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -374,7 +374,7 @@ def test_a_llama_of_a_large_vocabulary_in_gradient_form_equals_the_relevance_for
     model = transformers.LlamaForCausalLM(config).double().eval()
     ids = torch.randint(3, 32000, (1, 12), generator=torch.Generator().manual_seed(1))
     gradient_form, relevance_form = both_forms("attnlrp", epsilon=epsilon)
-    seeds, heads, products = (_spied(module, monkeypatch) for module in (attribution, parametric, linear))
+    seeds, heads, products = (_spied(module, monkeypatch) for module in (forward_pass, parametric, linear))
     relevance = relprop.LRP(model, gradient_form).attribute(ids, target=(-1, 42))
     assert [rows.tolist() for rows in seeds] == [[11]]
     # a stabilised head scales its one row and multiplies it alone; LRP-0's transposed product finds the row

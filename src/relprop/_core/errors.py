@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import warnings
 from types import FrameType
@@ -24,6 +25,19 @@ class UnhandledOpWarning(UserWarning):
 
 class ConservationWarning(UserWarning):
     """An op's rule handed on NaN or infinite relevance, or created relevance where it should conserve it."""
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_LOCATION = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def user_location(text: str) -> str | None:
+    """The last ``file:line`` that a traceback or stack trace in ``text`` names outside relprop and torch: where
+    the user's code did what a message is about (a Dynamo graph break, an op the compiled tier cannot write)."""
+    found = [f"{path}:{line}" for path, line in _LOCATION.findall(text)
+             if not os.path.abspath(path).startswith((_PACKAGE, _TORCH))]
+    return found[-1] if found else None
 
 
 def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:

@@ -42,6 +42,12 @@ class _Wrapped(Rule[Call]):
         return repr(self.rule)
 
 
+def unwrapped(rule: Any) -> Any:
+    """The rule a form runs (``rule`` itself where it is no form of another): rules that hold other rules for
+    their own purposes (``SmoothStride(rule=...)``) are rules of their own and stay as they are."""
+    return rule.rule if isinstance(rule, _Wrapped) else rule
+
+
 class InGradientForm(_Wrapped):
     """``rule`` in gradient form: ``propagate`` maps ``G`` at the output to ``G`` at each input (``rule.gradient``).
 

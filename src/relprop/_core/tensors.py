@@ -148,3 +148,14 @@ def rounding(dtype: torch.dtype) -> float:
     machine epsilon, and float32's at least, because models in wider types still run some ops in float32 (Hugging
     Face's RMSNorm, rotary embedding and eager softmax)."""
     return max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps) ** 0.5
+
+
+def agrees(a: Tensor, b: Tensor) -> Tensor:
+    """Whether ``a`` equals ``b`` to the rounding of ``b``'s dtype, relative to each entry and to ``b``'s largest
+    finite entry (NaN where both are NaN), as a boolean tensor: traceable, so that a compiled program checks it
+    on every run."""
+    tolerance = rounding(b.dtype)
+    size = b.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amax() if b.numel() else b.new_zeros(())
+    close = (a - b).abs() <= tolerance * size + tolerance * b.abs()
+    return (close | (a == b) | (a.isnan() & b.isnan())).all()
+

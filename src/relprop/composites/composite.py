@@ -158,11 +158,19 @@ class Composite:
 
     @property
     def replayable(self) -> bool:
-        """Whether a captured plan sees every change of this composite's choices: they follow from its attributes,
-        the rules' and the modules' ``rule`` alone, as :class:`Composite`'s own methods choose. A subclass that
-        chooses by other means (a method of its own) may read anything, so its passes get no plan."""
+        """Whether a captured plan or a compiled program sees every change of this composite's choices: they follow
+        from its attributes, the rules' and the modules' ``rule`` alone, as :class:`Composite`'s own methods
+        choose, or from what :meth:`state` declares. A subclass that chooses by other means (a method of its own)
+        and declares nothing may read anything, so nothing it decided is reused."""
         kind = type(self)
-        return all(getattr(kind, name) is getattr(Composite, name) for name in self.CHOOSERS)
+        return (all(getattr(kind, name) is getattr(Composite, name) for name in self.CHOOSERS)
+                or kind.state is not Composite.state)
+
+    def state(self) -> Any:
+        """What a subclass's own choosers read besides its attributes (a settings object's values, say), as a value
+        that compares equal while their choices stay the same: a pass whose rules were decided under another state
+        is decided again. None here: :class:`Composite` reads nothing else."""
+        return None
 
     def __init__(self, epsilon: float = 1e-6, conv: Rule | None = None, dense: Rule | None = None,
                  first: Mapping[str, Rule] | None = None, layer_map: _TypeMap | None = None,

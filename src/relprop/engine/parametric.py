@@ -60,6 +60,24 @@ def routed_image(x: Tensor, image: float | Tensor) -> Tensor | None:
     return forward.detach()
 
 
+def batch_norm_affine(bound: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    """``F.batch_norm``'s arguments (bound by name, running statistics) as the affine map it applies per
+    channel: ``(scale, shift)`` with ``batch_norm(z) = scale * z + shift``. Merged into the layer that produced
+    ``z``: ``f(x; scale W, scale b + shift)``."""
+    mean, var = bound["running_mean"], bound["running_var"]
+    weight = bound["weight"] if bound["weight"] is not None else torch.ones_like(var)
+    bias = bound["bias"] if bound["bias"] is not None else torch.zeros_like(mean)
+    scale = weight / torch.sqrt(var + bound["eps"])
+    return scale, bias - mean * scale
+
+
+def scaled_output_channels(weight: Tensor, scale: Tensor, channel_dim: int, out: Tensor | None = None) -> Tensor:
+    """``weight`` with ``scale`` on its output channels (dimension ``channel_dim``), in ``out`` or a new tensor."""
+    shape = [1] * weight.dim()
+    shape[channel_dim] = -1
+    return torch.mul(weight, scale.reshape(shape), out=out)
+
+
 class Workspace:
     """Buffers that the parametric op calls of one forward pass share for a weight-sized tensor each rule
     needs only while it runs (``W+``).
@@ -178,9 +196,7 @@ class ParametricCall(OpCall):
     def _merge_weight(self, out: Tensor | None = None) -> Tensor:
         """The weight with the merged BatchNorm's scale on its output channels, in ``out`` or a new tensor."""
         assert self._batch_norm is not None and self._channel_dim is not None  # only a merged call merges
-        shape = [1] * self._weight.dim()
-        shape[self._channel_dim] = -1
-        return torch.mul(self._weight, self._batch_norm[0].reshape(shape), out=out)
+        return scaled_output_channels(self._weight, self._batch_norm[0], self._channel_dim, out)
 
     def scale_input_channels(self, weight: Tensor, scale: Tensor) -> Tensor | None:
         """``weight`` (shaped like :attr:`weight`) multiplied in place by ``scale``, one factor per input channel.

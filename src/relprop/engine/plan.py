@@ -29,12 +29,14 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
+from relprop._core.gradient_form import unwrapped
 from relprop._core.registry import HANDLERS
 from relprop._core.tensors import is_activation, is_parameter
 from relprop.engine.calls import OpCall
 from relprop.engine.functions import _Unhandled
 from relprop.engine.parametric import ParametricCall
 from relprop.engine.rebinding import Rebinding, parameters_of, tensors_of
+from relprop.engine.state import RuleState, same
 
 #: input signatures whose plans an explainer keeps, the least recently used dropped first
 _KEPT = 16
@@ -206,24 +208,6 @@ class Step(NamedTuple):
 
 # ------------------------------------------------------------------------- recording and replay
 
-def _frozen(value: Any) -> Any:
-    """``value`` as a comparable snapshot: containers copied element by element, tensors by identity and memory."""
-    if isinstance(value, Tensor):
-        return ("tensor", id(value), value.data_ptr(), value.shape, value.stride())
-    if isinstance(value, (list, tuple)):
-        return tuple([_frozen(v) for v in value])
-    if isinstance(value, dict):
-        return tuple([(key, _frozen(v)) for key, v in value.items()])
-    return value
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # a value whose == is elementwise or fails: not the same
-        return False
-
-
 class Plan:
     """The decisions of one forward pass, op by op, and the state of the rules they were taken under.
 
@@ -234,43 +218,15 @@ class Plan:
         The origin of the explained output (the op, and the output of it).
     """
 
-    def __init__(self, steps: list[Step], output: tuple, rules: list[Any], state: Any, held: list[Tensor]):
+    def __init__(self, steps: list[Step], output: tuple, state: RuleState, held: list[Tensor]):
         self.steps = steps
         self.output = output
-        self._rules = rules
         self._state = state
         self._held = held  # the parameters the steps know by identity: their ids stay theirs
 
     def holds(self, composite: Any, model: nn.Module) -> bool:
-        """Whether ``model``'s modules, ``composite`` and the rules are as they were when it was recorded."""
-        return _same(_state(composite, model, self._rules), self._state)
-
-
-def _state(composite: Any, model: nn.Module, rules: list[Any]) -> Any:
-    """What a plan's decisions depend on besides the ops: the modules (and rules set on them), the composite's
-    settings and each rule's."""
-    # the modules and rules themselves (compared by identity): held here, their ids cannot pass to others
-    modules = tuple([(name, module, _module_rule(module)) for name, module in model.named_modules()])
-    return (modules, _frozen(vars(composite)), tuple([(id(rule), _frozen(vars(rule))) for rule in rules]))
-
-
-_ABSENT = object()
-
-
-def _module_rule(module: nn.Module) -> Any:
-    """``getattr(module, "rule", None)``, as the composite reads it, without the exception that
-    ``Module.__getattr__`` raises for each module that has none: a plain attribute is read where it is."""
-    kind = type(module)
-    on_class = getattr(kind, "rule", _ABSENT)
-    if on_class is not _ABSENT and hasattr(on_class, "__get__"):  # a property, or another descriptor
-        return getattr(module, "rule", None)
-    on_module = module.__dict__.get("rule", _ABSENT)
-    if on_module is not _ABSENT:
-        return on_module
-    if on_class is not _ABSENT:
-        return on_class
-    # a class's own __getattr__ may make one
-    return None if kind.__getattr__ is nn.Module.__getattr__ else getattr(module, "rule", None)
+        """Whether ``model``, its modules, ``composite`` and the rules are as they were when it was recorded."""
+        return self._state.holds(composite, model)
 
 
 class Recording:
@@ -337,7 +293,7 @@ class Recording:
         if kind not in ("native", "node"):
             return None
         call = effect[1]
-        if isinstance(getattr(effect[3], "rule", effect[3]), _Unhandled):  # reported by the session it holds
+        if isinstance(unwrapped(effect[3]), _Unhandled):  # reported by the session it holds
             return None
         if not call.replays or (isinstance(call, ParametricCall) and not parameters_of(call, args, kwargs)):
             return None
@@ -361,9 +317,8 @@ class Recording:
         # a later op may have changed a call (a BatchNorm merged into its convolution)
         if not self.valid or origin is None or not all(call.replays for call in self._calls):
             return None
-        rules = list({id(rule.rule): rule.rule for rule in self._rules.values() if hasattr(rule, "rule")}.values())
-        rules += [rule for rule in self._rules.values() if not hasattr(rule, "rule")]
-        return Plan(self.steps, origin, rules, _state(composite, model, rules), list(self._held.values()))
+        rules = list({id(unwrapped(rule)): unwrapped(rule) for rule in self._rules.values()}.values())
+        return Plan(self.steps, origin, RuleState(composite, model, rules), list(self._held.values()))
 
 
 class Replay:
@@ -383,7 +338,7 @@ class Replay:
         self._next = index + 1  # a failed check leaves the replay at an end: every later op fails too
         # (a property's getter is a new method-wrapper on each access: equal, not identical)
         if ((step.func is not func and step.func != func)
-                or not _same(step.key, _key(self.origins, session.module_name, args, kwargs))):
+                or not same(step.key, _key(self.origins, session.module_name, args, kwargs))):
             self._next = len(steps) + 1
             raise PathChanged(f"relprop: op {index} of the forward pass differs from its plan")
         out = step.action(session, func, args, kwargs)

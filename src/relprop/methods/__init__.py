@@ -10,7 +10,9 @@ DeepLift on the same engine (:class:`~relprop.DeepLift`, :class:`~relprop.DeepLi
 :class:`IntegratedGradients`, :class:`Occlusion`). Every class follows
 captum's ``Attribution`` protocol.
 """
-from relprop.methods.attribution import LRP, Attribution, ForwardPass
+from relprop.methods.attribution import LRP
+from relprop.methods.forward_pass import ForwardPass
+from relprop.methods.protocol import Attribution
 from relprop.methods.audit import Audit, AuditRow, audit
 from relprop.methods.bilrp import BiLRP
 from relprop.methods.deeplift import DeepLift, DeepLiftShap, LayerDeepLift

@@ -1,101 +1,25 @@
 """The public attribution API, compatible with captum's ``LRP`` and its ``Attribution`` protocol."""
 from __future__ import annotations
 
-import functools
-import gc
-import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, TypeVar, cast
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from relprop import composites
-from relprop._core.errors import ConservationWarning, warn_caller
-from relprop._core.tensors import held_rows, per_unit
 from relprop.engine.plan import Entry, PathChanged, Plans, Recording, Replay, pass_signature
 from relprop.engine.session import GradientFormUnavailable, Session
 from relprop.methods._inputs import Inputs, Target, as_tuple, forward_arguments
 from relprop.methods.adapters import hold_selective_parameters
-from relprop.methods.compiled import Compiled, Guard
-from relprop.methods.targets import LOST_SEED, convergence_delta, model_logits, output_relevance
+from relprop.methods.compiled import Compiled, FiniteCheck
+from relprop.methods.forward_pass import ForwardPass
+from relprop.methods.protocol import Attribution, cyclic_gc_paused, eager
+from relprop.methods.targets import convergence_delta, model_logits, output_relevance
 
-__all__ = ["Attribution", "LRP", "ForwardPass"]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _eager(method: _F) -> _F:
-    """Run ``method`` eagerly also inside code compiled with ``torch.compile``.
-
-    Relevance needs every op of the forward pass intercepted one by one, which a
-    compiled graph does not allow: Dynamo breaks the graph here instead of
-    failing, and what the caller compiles around an attribution stays compiled.
-    Dynamo is looked up when the method runs: nothing can be compiling before
-    ``torch.compile`` imported it, and importing it costs more than importing torch.
-    The result has captum's ``__wrapped__`` (see :func:`_captum_entry`).
-    """
-    disabled: list[Callable[..., Any]] = []
-
-    @functools.wraps(method)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if "torch._dynamo" not in sys.modules:
-            return method(*args, **kwargs)
-        if not disabled:
-            disabled.append(torch.compiler.disable(method, recursive=True))
-        return disabled[0](*args, **kwargs)
-    return cast(_F, call)
-
-
-def _captum_entry(method: _F) -> _F:
-    """Give an ``attribute`` method the ``__wrapped__`` that captum's ``NoiseTunnel`` calls.
-
-    NoiseTunnel calls ``method.attribute.__wrapped__(method, inputs, ...)`` to
-    skip captum's usage logger, so every ``attribute`` must be a wrapper.
-    """
-    @functools.wraps(method)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return method(*args, **kwargs)
-    return cast(_F, call)
-
-
-class Attribution:
-    """captum's ``Attribution`` protocol, without captum as a dependency.
-
-    What captum's wrappers and metrics read: ``forward_func`` (the model),
-    ``multiplies_by_inputs``, ``has_convergence_delta()``,
-    ``compute_convergence_delta(...)``, ``get_name()`` and ``attribute``, so
-    that ``captum.attr.NoiseTunnel(method)``, ``captum.metrics.infidelity``
-    and ``captum.metrics.sensitivity_max`` take relprop's methods.
-
-    Parameters
-    ----------
-    forward_func : callable
-        The model, or any function of the inputs returning its output.
-    """
-
-    #: whether the attributions are a local effect times the inputs (captum's flag, used by NoiseTunnel)
-    multiplies_by_inputs: bool = False
-
-    def __init__(self, forward_func: Callable[..., Any]) -> None:
-        if not callable(forward_func):
-            raise TypeError(f"relprop: forward_func must be a model or a function, got {type(forward_func).__name__}")
-        self.forward_func = forward_func
-
-    def has_convergence_delta(self) -> bool:
-        """Whether :meth:`compute_convergence_delta` (and ``return_convergence_delta=True``) is available."""
-        return type(self).compute_convergence_delta is not Attribution.compute_convergence_delta
-
-    def compute_convergence_delta(self, attributions: Inputs, *args: Any) -> Tensor:
-        """The method's approximation error per example; see the subclass for its arguments."""
-        raise NotImplementedError(f"relprop: {self.get_name()} has no convergence delta")
-
-    @classmethod
-    def get_name(cls) -> str:
-        """A readable name: ``"Integrated Gradients"``, ``"Layer LRP"``."""
-        return re.sub(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", " ", cls.__name__)
+__all__ = ["LRP"]
 
 
 class LRP(Attribution):
@@ -212,7 +136,7 @@ class LRP(Attribution):
         with torch.enable_grad(), session.active(), hold_selective_parameters(self.model):
             yield session
 
-    @_eager
+    @eager
     def record(self, inputs: Inputs, additional_forward_args: Any = None, taps: Any = None,
                audit: Any = None, reusable: bool = True) -> ForwardPass:
         """Run the model once under the engine and keep the pass, for :meth:`~relprop.methods.ForwardPass.relevance`.
@@ -243,12 +167,17 @@ class LRP(Attribution):
         >>> relevance.shape
         torch.Size([2, 4])
         """
+        return self._record(inputs, additional_forward_args, taps, audit, reusable, compiled=True)
+
+    def _record(self, inputs: Inputs, additional_forward_args: Any, taps: Any, audit: Any, reusable: bool,
+                compiled: bool) -> ForwardPass:
+        """:meth:`record`; ``compiled``: through the compiled tier's forward program, where there is one."""
         leaves, extra, keywords = self._arguments(inputs, additional_forward_args)
         tokens = tuple(x for x in leaves if not x.is_floating_point())
-        if self.compiled is not None and taps is None and audit is None and self.session_class is Session:
-            found = self.compiled.forward(leaves, extra, keywords, self.composite)  # None: under interception
+        if compiled and self.compiled is not None and taps is None and audit is None and self.session_class is Session:
+            found = self.compiled.forward(self.model, leaves, extra, keywords, self.composite)  # None: interception
             if found is not None:  # each input's probe collects relevance (methods.compiled)
-                guard = cast(Session, Guard(self.strict)) if self.guard else None  # its checks of the pass
+                guard = cast(Session, FiniteCheck(self.strict)) if self.guard else None  # its checks of the pass
                 return ForwardPass(leaves, model_logits(found[0]), {i: [p] for i, p in enumerate(found[1])}, reusable,
                                    guard, True, self.compiled.backward())
         # relevance per unit of activation where the composite's rules are modified gradients (AttnLRP, CP-LRP),
@@ -308,7 +237,7 @@ class LRP(Attribution):
         extra, keywords = forward_arguments(additional_forward_args)
         return tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs), extra, keywords
 
-    @_eager
+    @eager
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,
                   return_convergence_delta: bool = False) -> Any:
         """Relevance of every input feature for the model's output at ``target``.
@@ -336,15 +265,17 @@ class LRP(Attribution):
         Tensor, or tuple of Tensors for tuple inputs; and the delta if asked.
         """
         with torch.inference_mode(False), cyclic_gc_paused():
-            if self.compiled is not None and self.session_class is Session:  # as one program, where it runs so
-                guard = Guard(self.strict) if self.guard else None
-                found = self.compiled.attribute(*self._arguments(inputs, additional_forward_args), self.composite,
-                                                target, return_convergence_delta, guard)
+            compiled = self.compiled is not None and self.session_class is Session
+            if compiled:  # as one program, where it runs so
+                assert self.compiled is not None
+                found = self.compiled.attribute(self.model, *self._arguments(inputs, additional_forward_args),
+                                                self.composite, target, return_convergence_delta)
                 if found is not None:
                     relevance, whole = found
                     result = relevance[0] if isinstance(inputs, Tensor) else relevance
                     return result if whole is None else (result, convergence_delta(whole, relevance))
-            explained = self.record(inputs, additional_forward_args, reusable=False)
+                compiled = self.compiled.records  # a recorded pass through the forward program, or interception
+            explained = self._record(inputs, additional_forward_args, None, None, False, compiled)
             seed = output_relevance(explained.logits, target)
             # the seed's total per example, before the pass may take the seed over
             total = seed.reshape(seed.shape[0] if seed.dim() else 1, -1).sum(1) if return_convergence_delta else None
@@ -363,138 +294,7 @@ class LRP(Attribution):
         return convergence_delta(output, attributions)
 
 
-@contextmanager
-def cyclic_gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused inside the block, and enabled again after it if it was before.
-
-    An attribution allocates several Python objects per op (op calls, autograd nodes, tensors) that live until
-    its backward pass ends. Collections in the middle of it move them into the older generations, and now and
-    then that sets off a full collection of every object of the process, which with torchvision and
-    transformers loaded costs several times a small attribution. An attribution makes no reference cycles (its
-    objects are freed by reference counting when it ends), so pausing the collector leaves nothing behind.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _position(items: Sequence[Tensor], item: Tensor) -> int:
     return next(i for i, candidate in enumerate(items) if candidate is item)
-
-
-class ForwardPass:
-    """One forward pass under the engine: the inputs as it saw them, the logits, the token embeddings.
-
-    Attributes
-    ----------
-    inputs : tuple of Tensor
-        Floating-point inputs as leaves that require grad; integer inputs as given.
-    logits : Tensor
-    """
-
-    def __init__(self, inputs: tuple[Tensor, ...], logits: Tensor, embeddings: dict[int, list[Tensor]],
-                 reusable: bool = False, session: Session | None = None, gradient_form: bool = False,
-                 backward: Callable[[], AbstractContextManager] = nullcontext):
-        self.inputs = inputs
-        self.logits = logits
-        #: whether the pass carries relevance per unit of activation (``Session(gradient_form=True)``)
-        self.gradient_form = gradient_form
-        #: whether it carries relevance any number of times (see :meth:`LRP.record`)
-        self.reusable = reusable
-        self._embeddings = embeddings
-        #: the session that recorded the pass, if its guard checks the relevance's account (Session.check_pass)
-        self._session = session
-        self._backward = backward  # the context of its backward passes
-
-    @_eager
-    def relevance(self, seed: Tensor) -> tuple[Tensor, ...]:
-        """Propagate ``seed`` from the logits: the relevance of each input."""
-        return self.propagate(seed)
-
-    def propagate(self, seed: Tensor, owned: bool = False, create_graph: bool = False) -> tuple[Tensor, ...]:
-        """:meth:`relevance`; ``owned``: the seed is the caller's to overwrite (in gradient form it is, with its
-        value per unit of the logits); ``create_graph``: record the backward pass, so that the relevance can be
-        differentiated with respect to a seed that requires grad (it is linear in the seed)."""
-        explained = [x for x in self.inputs if x.requires_grad]
-        embedded = [leaf for leaves in self._embeddings.values() for leaf in leaves]
-        if (explained or embedded) and not self.logits.requires_grad:
-            raise RuntimeError("relprop: the model output does not depend on the inputs through autograd: the model "
-                               "detached it, or computed it under torch.no_grad()")
-        session = self._session
-        if not self.reusable:
-            self._session = None
-        if session is not None and (explained or embedded):
-            session.defer_check()  # checked below with the seed and the inputs' relevance, in one read
-        with self._backward():
-            found = (torch.autograd.grad(self.logits, explained + embedded, self._carried(seed, owned),
-                                         allow_unused=True, retain_graph=self.reusable, create_graph=create_graph)
-                     if explained or embedded else ())
-        if self.gradient_form:  # per unit of each leaf: its relevance is the leaf times that
-            found = tuple(None if g is None else g * leaf.detach() for g, leaf in zip(found, explained + embedded))
-        if session is not None and (explained or embedded):
-            session.check_pass(seed, [g for g in found if g is not None])
-        grads = iter(found)
-        by_leaf = {id(leaf): next(grads) for leaf in explained + embedded}
-        relevance = []
-        for index, x in enumerate(self.inputs):
-            if x.requires_grad:
-                grad = by_leaf[id(x)]
-                grad = grad if grad is not None else torch.zeros_like(x)
-                for leaf in self._embeddings.get(index, []):  # what the compiled tier's probe collected
-                    grad = grad if by_leaf[id(leaf)] is None else grad + by_leaf[id(leaf)]
-                relevance.append(grad)
-                continue
-            tokens = torch.zeros(x.shape, dtype=seed.dtype, device=x.device)
-            for leaf in self._embeddings.get(index, []):
-                grad = by_leaf[id(leaf)]
-                if grad is not None:
-                    tokens = tokens + grad.sum(-1).reshape(x.shape).to(tokens.dtype)  # a probe's is float64
-            relevance.append(tokens)
-        return tuple(relevance)
-
-    def _carried(self, seed: Tensor, owned: bool) -> Tensor:
-        """What the backward pass starts from: the seed, or in gradient form the seed per unit of the logits.
-
-        ``owned``: the seed may be overwritten. A seed entry at a logit of exactly 0 has no such form: it is lost,
-        with a warning. Where few rows of the seed (along its last dimension) hold entries, those rows alone are
-        divided and checked (:func:`~relprop._core.tensors.held_rows`): the others are 0 either way.
-        """
-        if not self.gradient_form:
-            return seed
-        logits = self.logits.detach()
-        if seed.dtype != logits.dtype or not seed.is_contiguous():
-            seed, owned = seed.to(logits.dtype, memory_format=torch.contiguous_format), True
-        rows = held_rows(seed)
-        if rows is None:
-            lost = ((logits == 0) & (seed != 0)).any()
-            carried = per_unit(seed, logits, owned)
-        else:  # a few positions explained (a next-token logit of a vocabulary): their rows alone are divided
-            width = seed.shape[-1]
-            flat, at = seed.view(-1, width), logits.reshape(-1, width)[rows]
-            held = flat[rows]
-            lost = ((at == 0) & (held != 0)).any()
-            carried = (flat if owned else torch.zeros_like(flat)).index_copy_(0, rows, per_unit(held, at, owned=True))
-        if lost:
-            warn_caller(LOST_SEED, ConservationWarning)
-        return carried.view_as(self.logits)
-
-    def relevances(self, seeds: Tensor) -> tuple[Tensor, ...]:
-        """The relevance of each input for each of ``seeds`` (a leading seed dimension): one backward pass each.
-
-        Each seed is ``seeds[k]``, shaped like the logits; each result has the seed dimension first. The pass
-        must be reusable (see :meth:`LRP.record`).
-        """
-        if not self.reusable:
-            raise RuntimeError("relprop: this recorded pass carries relevance once; record it with reusable=True "
-                               "to propagate several seeds")
-        if seeds.shape[1:] != self.logits.shape:
-            raise ValueError(f"relprop: seeds of shape {tuple(seeds.shape)} do not stack seeds of the logits' shape "
-                             f"{tuple(self.logits.shape)}")
-        found = [self.relevance(seed) for seed in seeds]
-        return tuple(torch.stack(per_input) for per_input in zip(*found))
 
 

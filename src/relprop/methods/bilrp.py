@@ -54,7 +54,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from relprop import composites
 from relprop._core.modules import evaluation
 from relprop.methods._inputs import forward_arguments, tile_arguments
-from relprop.methods.attribution import LRP, ForwardPass, cyclic_gc_paused
+from relprop.methods.attribution import LRP
+from relprop.methods.forward_pass import ForwardPass
+from relprop.methods.protocol import cyclic_gc_paused
 from relprop.methods.targets import model_logits
 from relprop.methods.transposed import SCORES, Pool, additive, pooled, transposed_relevance
 

@@ -31,7 +31,8 @@ from relprop.methods._inputs import (
     repeat_target,
     tile_arguments,
 )
-from relprop.methods.attribution import LRP, Attribution, _captum_entry
+from relprop.methods.attribution import LRP
+from relprop.methods.protocol import Attribution, captum_entry
 from relprop.methods.deeplift_reveal import RULES, RevealCancelComposite, Splits, collapse
 from relprop.methods.deeplift_rules import _NORMS, DeepLiftComposite, VectorNormRescale
 from relprop.methods.gradients import _completeness_delta
@@ -347,7 +348,7 @@ class DeepLift(Attribution):
         self.multiplies_by_inputs = multiply_by_inputs
         self.rule = _rule(rule)
 
-    @_captum_entry
+    @captum_entry
     def attribute(self, inputs: Inputs, baselines: Any = None, target: Target = None,
                   additional_forward_args: Any = None, return_convergence_delta: bool = False) -> Any:
         """DeepLift attributions of the target output, shaped like the inputs.
@@ -394,7 +395,7 @@ class DeepLiftShap(DeepLift):
     pairs run as one batch.
     """
 
-    @_captum_entry
+    @captum_entry
     def attribute(self, inputs: Inputs, baselines: Any = None, target: Target = None,
                   additional_forward_args: Any = None, return_convergence_delta: bool = False) -> Any:
         """Mean DeepLift attributions over the baselines, shaped like the inputs.
@@ -460,7 +461,7 @@ class LayerDeepLift(Attribution):
         self.multiplies_by_inputs = multiply_by_inputs
         self.rule = _rule(rule)
 
-    @_captum_entry
+    @captum_entry
     def attribute(self, inputs: Inputs, baselines: Any = None, target: Target = None,
                   additional_forward_args: Any = None, return_convergence_delta: bool = False,
                   attribute_to_layer_input: bool = False) -> Any:

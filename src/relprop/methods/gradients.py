@@ -33,7 +33,7 @@ from relprop.methods._inputs import (
     repeat_target,
     slice_arguments,
 )
-from relprop.methods.attribution import Attribution, _captum_entry
+from relprop.methods.protocol import Attribution, captum_entry
 from relprop.methods.targets import convergence_delta, model_logits, target_mask
 
 __all__ = ["InputGradient", "GradientXInput", "SmoothGrad", "IntegratedGradients", "Occlusion"]
@@ -87,7 +87,7 @@ class InputGradient(_GradientMethod):
         The model.
     """
 
-    @_captum_entry
+    @captum_entry
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None
                   ) -> Tensor | tuple[Tensor, ...]:
         """The gradient, shaped like the inputs."""
@@ -100,7 +100,7 @@ class GradientXInput(_GradientMethod):
 
     multiplies_by_inputs = True
 
-    @_captum_entry
+    @captum_entry
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None
                   ) -> Tensor | tuple[Tensor, ...]:
         """Gradient times input, shaped like the inputs."""
@@ -129,7 +129,7 @@ class SmoothGrad(_GradientMethod):
         super().__init__(forward_func)
         self.samples, self.noise, self.chunk_size = samples, noise, chunk_size
 
-    @_captum_entry
+    @captum_entry
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None
                   ) -> Tensor | tuple[Tensor, ...]:
         """The mean gradient over ``samples`` noisy copies, shaped like the inputs."""
@@ -193,7 +193,7 @@ class IntegratedGradients(_GradientMethod):
         self._defaults: dict[str, Any] = {"n_steps": 50, "method": "gausslegendre", "baselines": None,
                                           "internal_batch_size": None}
 
-    @_captum_entry
+    @captum_entry
     def attribute(self, inputs: Inputs, baselines: Any = None, target: Target = None,
                   additional_forward_args: Any = None, n_steps: int | None = None, method: str | None = None,
                   internal_batch_size: int | None = None, return_convergence_delta: bool = False) -> Any:
@@ -284,7 +284,7 @@ class Occlusion(Attribution):
 
     multiplies_by_inputs = True  # captum's flag for perturbation methods
 
-    @_captum_entry
+    @captum_entry
     @torch.no_grad()
     def attribute(self, inputs: Inputs, sliding_window_shapes: tuple[int, ...] | tuple[tuple[int, ...], ...],
                   strides: int | tuple[int, ...] | tuple[int | tuple[int, ...], ...] | None = None,

@@ -32,7 +32,8 @@ from relprop._core.tensors import is_activation
 from relprop.composites import Composite
 from relprop.engine.session import Session
 from relprop.methods._inputs import Inputs, Target, one_or_list, tile_target
-from relprop.methods.attribution import LRP, Attribution, _captum_entry
+from relprop.methods.attribution import LRP
+from relprop.methods.protocol import Attribution, captum_entry
 from relprop.methods.targets import convergence_delta, output_relevance
 
 __all__ = ["LayerLRP", "ModuleRelevance", "module_relevance"]
@@ -158,7 +159,7 @@ class LayerLRP(Attribution):
             backward_to_taps(explained.logits, seed, tappers)
         return seed, tappers
 
-    @_captum_entry
+    @captum_entry
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,
                   return_convergence_delta: bool = False, attribute_to_layer_input: bool = False) -> Any:
         """Relevance at the layer(s) for the model's output at ``target``.

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from relprop.composites import Composite
 from relprop.methods._inputs import Inputs, as_given
-from relprop.methods.attribution import LRP, Attribution, _captum_entry, cyclic_gc_paused
+from relprop.methods.attribution import LRP
+from relprop.methods.protocol import Attribution, captum_entry, cyclic_gc_paused
 from relprop.methods.layer import Tapper, resolve_module
 from relprop.methods.targets import convergence_delta
 
@@ -79,7 +80,7 @@ class NeuronLRP(Attribution):
         self.layer = resolve_module(model, layer)
         self.name = next(name for name, module in model.named_modules() if module is self.layer) or "the model"
 
-    @_captum_entry
+    @captum_entry
     def attribute(self, inputs: Inputs, neuron_selector: NeuronSelector, additional_forward_args: Any = None,
                   attribute_to_neuron_input: bool = False, return_convergence_delta: bool = False) -> Any:
         """Relevance of every input feature for the unit that ``neuron_selector`` chooses.

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from relprop._core.tensors import rounding
-from relprop.methods.attribution import ForwardPass
+from relprop.methods.forward_pass import ForwardPass
 
 __all__ = ["Pool", "SCORES", "additive", "pooled", "transposed_relevance"]
 

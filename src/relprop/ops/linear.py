@@ -12,7 +12,7 @@ from relprop._core.kinds import OpKind
 from relprop._core.registry import Handler, lookup, op_name, register, torch_and_tensor
 from relprop._core.signatures import bind, bind_builtin
 from relprop._core.tensors import constant, held_rows, holds, is_activation
-from relprop.engine.parametric import ParametricCall
+from relprop.engine.parametric import ParametricCall, batch_norm_affine
 from relprop.ops.host import OpHost
 from relprop.ops.products import _ADD_PRODUCTS, _MATRIX
 
@@ -36,8 +36,12 @@ def _conv_vjp(x: Tensor, weight: Tensor, options: dict, transposed: bool) -> Cal
     groups = options.get("groups", 1)
 
     def transpose(grad: Tensor, weight: Tensor = weight, like: Tensor | None = None) -> Tensor:
-        # the kernel reads only the shape of the input `like`
-        return torch.ops.aten.convolution_backward(grad, x if like is None else like, weight, None, stride, padding,
+        # the kernel reads only the shape of the input `like`; under autocast the relevance may be in the autocast
+        # dtype where the weight is not (an aten op is not cast for it)
+        shape = x if like is None else like
+        if weight.dtype != grad.dtype or shape.dtype != grad.dtype:
+            weight, shape = weight.to(grad.dtype), shape.to(grad.dtype)
+        return torch.ops.aten.convolution_backward(grad, shape, weight, None, stride, padding,
                                                    dilation, transposed, output_padding, groups,
                                                    [True, False, False])[0]
     return transpose
@@ -168,10 +172,7 @@ def _batch_norm(session: OpHost, func: Callable, args: tuple, kwargs: dict) -> A
             or (producer.kind == OpKind.DENSE and x.dim() != 2)
             or bound["training"] or mean is None or session.module_rule() is not None):
         return session.run(session.record(OpKind.BATCHNORM, func, args, kwargs))
-    weight = bound["weight"] if bound["weight"] is not None else torch.ones_like(var)
-    bias = bound["bias"] if bound["bias"] is not None else torch.zeros_like(mean)
-    scale = weight / torch.sqrt(var + bound["eps"])
-    shift = bias - mean * scale
+    scale, shift = batch_norm_affine(bound)
 
     def batch_norm(z: Tensor) -> Tensor:
         return func(z, mean, var, bound["weight"], bound["bias"], False, bound["momentum"], bound["eps"])

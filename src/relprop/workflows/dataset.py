@@ -47,7 +47,8 @@ import torch
 from torch import Tensor, nn
 
 from relprop import composites
-from relprop.methods.attribution import LRP, cyclic_gc_paused
+from relprop.methods.attribution import LRP
+from relprop.methods.protocol import cyclic_gc_paused
 from relprop.methods.targets import output_relevance
 
 __all__ = ["explain_dataset", "explain_batch", "load_shard", "read_index", "RunMismatch", "fingerprint", "describe"]
