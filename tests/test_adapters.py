@@ -10,7 +10,6 @@ import torch.nn.functional as F
 import relprop
 
 transformers = pytest.importorskip("transformers")
-from transformers.models.mamba import modeling_mamba  # noqa: E402
 from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 
 

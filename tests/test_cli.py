@@ -59,6 +59,9 @@ def test_explain_writes_heatmaps_with_unique_names_and_normal_permissions(tmp_pa
                          "--batch-size", 3, "--figure", "--out", tmp_path / "out", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "digit0.png: class" in result.stdout
+    assert result.stdout.splitlines()[-1] == (f"-> {tmp_path / 'out' / 'explain.json'}, {tmp_path / 'out' / 'explain.png'}"
+                                              f", and a _relevance.png and an _overlay.png per image in "
+                                              f"{tmp_path / 'out'}")
     assert files_below(tmp_path / "out") == ["a/x_overlay.png", "a/x_relevance.png", "b/x_overlay.png",
                                              "b/x_relevance.png", "digit0_overlay.png", "digit0_relevance.png",
                                              "digit1_overlay.png", "digit1_relevance.png", "explain.json",
@@ -134,6 +137,8 @@ def test_explain_text_with_a_local_hugging_face_folder(tmp_path):
     assert saved["tokens"] == ["[CLS]", "a", "wonderful", "film", "[SEP]"] and len(saved["relevance"]) == 5
     assert "<span" in (tmp_path / "out" / "text.html").read_text()
     assert "\x1b[" not in result.stdout  # no terminal colour codes into a pipe
+    assert result.stdout.splitlines()[-1] == f"-> {tmp_path / 'out' / 'text.html'}, {tmp_path / 'out' / 'text.json'}"
+    assert "Loading weights" not in result.stderr  # transformers' progress bar
 
 
 def test_explain_dataset_writes_shards_resumes_and_refuses_another_run(tmp_path):
@@ -406,3 +411,21 @@ def test_atlas_writes_one_picture_per_channel_and_an_index(tmp_path):
     assert len(pictures) == 32 and (tmp_path / "atlas" / "index.html").exists()  # features.3 has 32 channels
     wrong = relprop_run(*run[:-2], "--layer", "nothing", "--out", tmp_path / "other", cwd=tmp_path)
     assert wrong.returncode == 2 and len(wrong.stderr.splitlines()) == 1 and "no module 'nothing'" in wrong.stderr
+
+
+def test_each_command_says_in_one_line_what_it_writes_and_shows_an_example():
+    from click.testing import CliRunner
+
+    from relprop.cli import app
+
+    runner = CliRunner()
+    listing = runner.invoke(app, ["--help"], terminal_width=80)
+    assert listing.exit_code == 0
+    for name, command in app.commands.items():
+        summary = command.short_help
+        assert summary and f"  {name}" in listing.output and summary in listing.output, name  # whole, not cut
+        assert any(word in summary for word in (".png", ".json", ".html", "HTML", "JSON", "shards")), summary
+        shown = runner.invoke(app, [name, "--help"], terminal_width=80)
+        assert shown.exit_code == 0
+        example = shown.output.split("Example:\n", 1)[1]
+        assert example.lstrip().startswith(f"relprop {name} "), (name, example)

@@ -1,7 +1,6 @@
 """Attention written out (``softmax(q k^T * scale + mask) v``) is explained as the fused attention of the same
 arguments: equal relevance to the model run with ``F.scaled_dot_product_attention``, without the weights kept."""
 import math
-import weakref
 
 import pytest
 import torch

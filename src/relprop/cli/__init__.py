@@ -1,4 +1,5 @@
-"""The ``relprop`` command line: ``demo``, ``explain``, ``evaluate`` and ``explain-dataset``.
+"""The ``relprop`` command line: ``demo``, ``explain``, ``evaluate``, ``explain-dataset``, ``atlas``,
+``explain-text`` and ``patch``.
 
 Examples
 --------
@@ -9,15 +10,16 @@ relprop explain --text "The movie was wonderful" --model path/to/hf-model-folder
 relprop evaluate *.png --model resnet18 --weights resnet18.pth --out out
 relprop explain-dataset images/ --model resnet18 --weights resnet18.pth --out shards --downsample 4
 torchrun --nproc_per_node=2 -m relprop.cli explain-dataset images/ --model resnet18 --weights resnet18.pth
+relprop explain-text "The capital of France is" --max-new-tokens 4 --out out
 
 Every command is a :class:`Command` of the group :data:`app`: an error is one
 line on stderr with exit code 2 (a traceback only with ``--debug``), Ctrl-C
 ends with one line and exit code 130, keeping what was finished. Another
 module adds a command in a few lines, reusing the shared options::
 
-    from relprop.cli import app, image_options, load_images, load_model, model_options, out_option
+    from relprop.cli import app, example, image_options, load_images, load_model, model_options, out_option
 
-    @app.command()
+    @app.command(short_help="What it writes, in one line.", epilog=example("relprop atlas cat.png --model ..."))
     @click.argument("images", nargs=-1, required=True)
     @model_options
     @image_options
@@ -35,11 +37,12 @@ from collections.abc import Sequence
 import click
 
 from relprop.cli import dataset, explain, patch, text  # noqa: F401  (each adds its commands to the group)
-from relprop.cli.app import Command, CommandError, app, image_options, model_options, out_option, preset_option
+from relprop.cli.app import (Command, CommandError, app, example, image_options, model_options, out_option,
+                             preset_option)
 from relprop.cli.inputs import load_images, load_model, readable_images
 
 __all__ = ["main", "app", "Command", "CommandError", "load_model", "load_images", "readable_images",
-           "model_options", "image_options", "out_option", "preset_option"]
+           "model_options", "image_options", "out_option", "preset_option", "example"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

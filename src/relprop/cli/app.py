@@ -79,7 +79,16 @@ class _Group(click.Group):
                                              "max_content_width": 110})
 @click.version_option(__version__, prog_name="relprop", message="%(prog)s %(version)s")
 def app() -> None:
-    """Layer-wise relevance propagation for PyTorch models: explain images, evaluate explanations."""
+    """Layer-wise relevance propagation for PyTorch models: explain images, text and language models' generations,
+    evaluate explanations, find the heads that carry a behaviour.
+
+    Each command's line below says what it writes; relprop COMMAND --help gives its options and an example.
+    """
+
+
+def example(*lines: str) -> str:
+    """A command's help epilog: its example command lines, kept as written (click rewraps other paragraphs)."""
+    return "\b\nExample:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from relprop.cli.app import (
     CommandError,
     _write_json,
     app,
+    example,
     image_options,
     model_options,
     out_option,
@@ -83,7 +84,9 @@ def _dataset_target(_: click.Context, __: click.Parameter, value: str) -> int | 
     return int(value)
 
 
-@app.command("explain-dataset")
+@app.command("explain-dataset", short_help="Relevance of a folder of images into resumable shards.",
+             epilog=example("relprop explain-dataset images/ --model resnet18 --weights resnet18.pth --target label "
+                            "--out shards"))
 @click.argument("folder", type=click.Path())
 @model_options
 @preset_option
@@ -132,7 +135,8 @@ def explain_dataset_command(folder: str, model: str, weights: str | None, random
     click.echo(f"{len(dataset)} images -> {index}")
 
 
-@app.command("atlas")
+@app.command("atlas", short_help="Concept atlas of a layer: index.html and top images.",
+             epilog=example("relprop atlas images/ --model resnet18 --weights resnet18.pth --layer layer4 --out atlas"))
 @click.argument("folder", type=click.Path())
 @model_options
 @preset_option

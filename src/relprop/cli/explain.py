@@ -15,6 +15,7 @@ from relprop.cli.app import (
     _check_cmap,
     _write_json,
     app,
+    example,
     image_options,
     model_options,
     out_option,
@@ -36,7 +37,8 @@ from relprop.methods.attribution import LRP
 from relprop.workflows.dataset import explain_batch
 
 
-@app.command()
+@app.command(short_help="MNIST demo: heatmaps.png, pixel_flipping.png, aopc.json.",
+             epilog=example("relprop demo --out out"))
 @out_option()
 @click.option("--examples", type=click.IntRange(1, 1000), default=8, help="Test digits shown in the heatmap grid.")
 @click.option("--evaluated", type=click.IntRange(1, 1000), default=200, help="Test digits used for pixel flipping.")
@@ -47,7 +49,9 @@ def demo(out: Path, examples: int, evaluated: int) -> None:
     demo_module.run(out, examples=examples, evaluated=evaluated)
 
 
-@app.command()
+@app.command(short_help="A heatmap and an overlay per image, and explain.json.",
+             epilog=example("relprop explain --model efficientnet-lite0 --sample-photos --figure --out out",
+                            "relprop explain cat.png --model resnet18 --weights resnet18.pth --out out"))
 @click.argument("images", nargs=-1, type=click.Path())
 @model_options
 @preset_option
@@ -141,6 +145,8 @@ def explain(images: tuple[str, ...], model: str, weights: str | None, random_wei
         viz.save_heatmap_grid(torch.stack([p for p, _ in shown]), {column: torch.stack([r for _, r in shown])},
                               out / "explain.png", predictions=[e["prediction"] for e in summary], cmap=cmap,
                               clip=clip, title=options, class_names=classes)
+    summaries = [out / "explain.json", *([out / "explain.png"] if figure else [])]
+    click.echo(f"-> {', '.join(map(str, summaries))}, and a _relevance.png and an _overlay.png per image in {out}")
 
 
 def _options_text(preset: str, clip: float | None, normalize: str | None, channels: int, whole: bool | None) -> str:
@@ -232,13 +238,15 @@ def _explain_text(text: str, folder: str, preset: str, target: int | None, out: 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from relprop import viz
+    from relprop.workflows.smollm2 import loading_bars
 
     if not Path(folder).is_dir():
         raise CommandError(f"no such model folder: {folder} (with --text, --model is a Hugging Face model folder)")
     config = AutoConfig.from_pretrained(folder)
     causal = any(name.endswith("ForCausalLM") for name in (config.architectures or []))
     factory = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
-    model = factory.from_pretrained(folder).eval()
+    with loading_bars(False):  # transformers' "Loading weights" bar would clutter the relevance printed
+        model = factory.from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     encoded = tokenizer([text], return_tensors="pt")
     with torch.no_grad():
@@ -261,10 +269,11 @@ def _explain_text(text: str, folder: str, preset: str, target: int | None, out: 
         temporary.write_text(viz.text_html(tokens, relevance[0]))
     _write_json({"tokens": tokens, "relevance": relevance[0].tolist(), "target": chosen, "label": label},
                 out / "text.json")
-    click.echo(f"-> {out / 'text.html'}")
+    click.echo(f"-> {out / 'text.html'}, {out / 'text.json'}")
 
 
-@app.command()
+@app.command(short_help="Pixel-flipping AOPC per method: aopc.json and a plot.",
+             epilog=example("relprop evaluate digits/*.png --model mymodels:build --size 28 --channels 1 --out out"))
 @click.argument("images", nargs=-1, required=True, type=click.Path())
 @model_options
 @preset_option

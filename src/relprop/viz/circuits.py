@@ -6,22 +6,23 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from relprop.viz import _save_figure
+from relprop.viz import _save_figure, _wrap
 from relprop.workflows.circuits import Faithfulness
 
 __all__ = ["save_faithfulness_curves"]
 
 
-def save_faithfulness_curves(curves: Mapping[str, Faithfulness], path: str | Path, dpi: int = 110) -> Path:
+def save_faithfulness_curves(curves: Mapping[str, Faithfulness], path: str | Path, dpi: int = 110,
+                             title: str | None = None) -> Path:
     """``F`` against the circuit's size (a fraction of all units, log scale), one curve per ranking.
 
     ``curves`` maps a ranking's name (``"activation"``, ``"relp"``, ``"random"``) to its
     :class:`~relprop.workflows.circuits.Faithfulness`; the legend gives each one's CPR and CMD. Empty circuits
-    (size 0) are left out of the log scale.
+    (size 0) are left out of the log scale. ``title`` goes above the plot (what was patched: model, metric).
     """
     if not curves:
         raise ValueError("relprop: no faithfulness curves to draw")
-    figure, axis = plt.subplots(figsize=(5.4, 3.6), layout="constrained")
+    figure, axis = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
     for name, found in curves.items():
         points = [(size / found.units, float(value)) for size, value in zip(found.sizes, found.curve) if size > 0]
         axis.plot([x for x, _ in points], [y for _, y in points], marker="o", markersize=3,
@@ -32,4 +33,6 @@ def save_faithfulness_curves(curves: Mapping[str, Faithfulness], path: str | Pat
     axis.set_xlabel("circuit size (fraction of units, ranked by each method)")
     axis.set_ylabel("F = (m(circuit) - m(corr.)) / (m(clean) - m(corr.))", fontsize=8)
     axis.legend(fontsize=7)
+    if title:
+        figure.suptitle(_wrap(title, 6.0, 9), fontsize=9)
     return _save_figure(figure, path, dpi)

