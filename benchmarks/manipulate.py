@@ -1,8 +1,9 @@
 """Attacks on heatmaps (Dombrowski et al. 2019) on the MNIST CNN: how far a heatmap moves to a target, at what cost.
 
 The demo's CNN (:mod:`relprop.workflows.mnist`, trained on 4000 digits as ``relprop demo`` splits them, seed 0)
-explains test digits; each of ``--pairs`` digits gets as its target map the heatmap of the next test digit of another class, under the same
-explainer. :func:`relprop.workflows.manipulate.manipulate` then changes the digit for ``--steps`` Adam steps.
+explains test digits; each of ``--pairs`` digits gets as its target map the heatmap of the next test digit of
+another class, under the same explainer. :func:`relprop.workflows.manipulate.manipulate` then changes the digit
+for ``--steps`` Adam steps.
 For each explainer (Gradient x Input, and each LRP preset that applies to a CNN) three settings:
 
 - ``relu``: the network itself explained, the attack differentiating through its softplus(``--beta``) copy;
@@ -104,7 +105,7 @@ def run(arguments: argparse.Namespace) -> None:
 
 def figure(shown: dict[str, Manipulation], path: Path) -> None:
     """One row per explainer and setting, for the first pair: the digit, its heatmap, the target map, the
-    manipulated digit, its heatmap."""
+    manipulated digit, its heatmap (red positive, blue negative)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -112,13 +113,12 @@ def figure(shown: dict[str, Manipulation], path: Path) -> None:
     titles = ["digit", "its heatmap", "target map", "manipulated digit", "its heatmap"]
     grid, axes = plt.subplots(len(shown), 5, figsize=(7.5, 1.6 * len(shown)), squeeze=False)
     for axes_row, (label, found) in zip(axes, shown.items()):
-        maps = [found.heatmap[0], found.target_map[0], found.heatmap_adv[0]]
-        limit = max(float(m.abs().max()) for m in maps)
-        pictures = [(found.x[0, 0], "gray", 0.0, 1.0), (maps[0], "bwr", -limit, limit),
-                    (maps[1], "bwr", -limit, limit), (found.x_adv[0, 0], "gray", 0.0, 1.0),
-                    (maps[2], "bwr", -limit, limit)]
-        for axis, (picture, colours, low, high) in zip(axes_row, pictures):
-            axis.imshow(picture.detach().numpy(), cmap=colours, vmin=low, vmax=high)
+        pictures = [(found.x[0, 0], "gray", 1.0), (found.heatmap[0], "bwr", None), (found.target_map[0], "bwr", None),
+                    (found.x_adv[0, 0], "gray", 1.0), (found.heatmap_adv[0], "bwr", None)]
+        for axis, (picture, colours, limit) in zip(axes_row, pictures):
+            # pixels on [0, 1]; each heatmap on its own symmetric scale, white at 0
+            high = float(picture.abs().max()) if limit is None else limit
+            axis.imshow(picture.detach().numpy(), cmap=colours, vmin=0.0 if limit else -high, vmax=high)
             axis.set_xticks([])
             axis.set_yticks([])
         axes_row[0].set_ylabel(label, fontsize=7)
