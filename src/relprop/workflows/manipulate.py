@@ -85,7 +85,7 @@ def _lrp(composite: Composite | str) -> Explainer:
     """The explainer of an LRP composite: ``LRP(model, composite).attribute``, recorded with ``create_graph``."""
     made: dict[int, LRP] = {}  # one LRP per model (the model and its smoothed copy), kept for its plans
 
-    def explain(model: nn.Module, x: Tensor, target: Tensor, create_graph: bool) -> Tensor:
+    def relevance(model: nn.Module, x: Tensor, target: Tensor, create_graph: bool) -> Tensor:
         if id(model) not in made:
             made[id(model)] = LRP(model, composite)
         lrp = made[id(model)]
@@ -99,7 +99,7 @@ def _lrp(composite: Composite | str) -> Explainer:
             raise NotImplementedError("relprop: this version's LRP.attribute takes no create_graph: its relevance "
                                       "cannot be differentiated; manipulate with composite='gradient-x-input'"
                                       ) from error
-    return explain
+    return relevance
 
 
 def _explainer(composite: Composite | str) -> Explainer:
@@ -240,9 +240,9 @@ def manipulate(model: nn.Module, composite: Composite | str, x: Tensor, target_m
 
     Adam minimises ``mean((h(x_adv) - h_t)^2) + gamma * mean((g(x_adv) - g(x))^2)`` over ``x_adv`` (``h``:
     :func:`heatmap` of the relevance of ``target``; ``g``: the logits), clamping ``x_adv`` to ``bounds`` (and to
-    ``max_change`` of ``x``) after each step. Every iterate is measured on ``model`` itself; ``x_adv`` is, per example, the iterate with the
-    heatmap closest to the target among those whose :attr:`Manipulation.output_change` is at most
-    ``output_bound`` (``x`` itself if none is).
+    ``max_change`` of ``x``) after each step. Every iterate is measured on ``model`` itself; ``x_adv`` is, per
+    example, the iterate with the heatmap closest to the target among those whose
+    :attr:`Manipulation.output_change` is at most ``output_bound`` (``x`` itself if none is).
 
     Parameters
     ----------
@@ -288,7 +288,7 @@ def manipulate(model: nn.Module, composite: Composite | str, x: Tensor, target_m
         raise ValueError(f"relprop: max_change must be positive or None, got {max_change!r}")
     if x.dim() < 2:
         raise ValueError(f"relprop: manipulate needs inputs (N, C, ...) with a channel dimension, got {tuple(x.shape)}")
-    explain = _explainer(composite)
+    relevance = _explainer(composite)
     wanted = _target_map(target_map, x)
     surrogate = beta_smoothed(model, beta) if beta is not None else model
     x = x.detach()
@@ -297,22 +297,17 @@ def manipulate(model: nn.Module, composite: Composite | str, x: Tensor, target_m
         logits = model_logits(model(x))
     x_adv = x.clone().requires_grad_()
     optimizer = torch.optim.Adam([x_adv], lr=lr)
-    best, best_mse = x.clone(), torch.full((x.shape[0],), float("inf"), dtype=x.dtype, device=x.device)
-    mse_history, change_history = [], []
+    iterates = _Iterates(x, output_bound)
     for step in range(steps + 1):
         measured = surrogate is model and step < steps  # the step's map on model: measured and differentiated
-        found = heatmap(explain(model, x_adv, target, measured))
-        mse = (found.detach() - wanted).pow(2).flatten(1).mean(1)
+        found = heatmap(relevance(model, x_adv, target, measured))
         outputs = model_logits(model(x_adv))
-        change = _output_change(logits, outputs.detach())
-        mse_history.append(mse)
-        change_history.append(change)
-        better = (change <= output_bound) & (mse < best_mse)
-        best[better], best_mse[better] = x_adv.detach()[better], mse[better]
+        iterates.see(x_adv, (found.detach() - wanted).pow(2).flatten(1).mean(1),
+                     _output_change(logits, outputs.detach()))
         if step == steps:
             break
         if not measured:
-            found = heatmap(explain(surrogate, x_adv, target, True))
+            found = heatmap(relevance(surrogate, x_adv, target, True))
         loss = ((found - wanted).pow(2).flatten(1).mean(1) + gamma * (outputs - logits).pow(2).mean(1)).sum()
         optimizer.zero_grad()
         (x_adv.grad,) = torch.autograd.grad(loss, x_adv)
@@ -322,16 +317,37 @@ def manipulate(model: nn.Module, composite: Composite | str, x: Tensor, target_m
                 x_adv.copy_(torch.minimum(torch.maximum(x_adv, x - max_change), x + max_change))
             if bounds is not None:
                 x_adv.clamp_(*bounds)
-    return _result(model, explain, x, best, target, wanted, logits,
-                   {"heatmap_mse": torch.stack(mse_history), "output_change": torch.stack(change_history)})
+    return _result(model, relevance, x, iterates, target, wanted, logits)
 
 
-def _result(model: nn.Module, explain: Explainer, x: Tensor, x_adv: Tensor, target: Tensor, wanted: Tensor,
-            logits: Tensor, history: dict[str, Tensor]) -> Manipulation:
+class _Iterates:
+    """The iterates of an attack: each one's heatmap MSE and output change, and per example the best one within
+    the output bound (``x`` itself, the first iterate, is within any bound)."""
+
+    def __init__(self, x: Tensor, output_bound: float) -> None:
+        self.best = x.clone()
+        self.best_mse = torch.full((x.shape[0],), float("inf"), dtype=x.dtype, device=x.device)
+        self.output_bound = output_bound
+        self.mse: list[Tensor] = []
+        self.change: list[Tensor] = []
+
+    def see(self, x_adv: Tensor, mse: Tensor, change: Tensor) -> None:
+        self.mse.append(mse)
+        self.change.append(change)
+        better = (change <= self.output_bound) & (mse < self.best_mse)
+        self.best[better], self.best_mse[better] = x_adv.detach()[better], mse[better]
+
+    def history(self) -> dict[str, Tensor]:
+        return {"heatmap_mse": torch.stack(self.mse), "output_change": torch.stack(self.change)}
+
+
+def _result(model: nn.Module, relevance: Explainer, x: Tensor, iterates: _Iterates, target: Tensor,
+            wanted: Tensor, logits: Tensor) -> Manipulation:
+    x_adv = iterates.best
     with torch.no_grad():
         logits_adv = model_logits(model(x_adv))
     return Manipulation(x=x, x_adv=x_adv, target=target, target_map=wanted,
-                        heatmap=heatmap(explain(model, x, target, False)),
-                        heatmap_adv=heatmap(explain(model, x_adv, target, False)),
-                        logits=logits, logits_adv=logits_adv, history=history)
+                        heatmap=heatmap(relevance(model, x, target, False)),
+                        heatmap_adv=heatmap(relevance(model, x_adv, target, False)),
+                        logits=logits, logits_adv=logits_adv, history=iterates.history())
 
