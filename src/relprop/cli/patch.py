@@ -171,6 +171,7 @@ def _faithfulness_curves(network: torch.nn.Module, ids: tuple[torch.Tensor, torc
         f"{method} CPR {scored[method].cpr:.3f} CMD {scored[method].cmd:.3f}" for method in METHODS))
     names = _names(preset)
     save_faithfulness_curves({names[method]: scored[method] for method in METHODS}, out / "faithfulness.png",
-                             title=f"Circuits of each method's top units ({', '.join(kinds)}) patched clean {about}")
+                             title=f"Faithfulness F of each method's circuits: its top units ({', '.join(kinds)}) "
+                                   f"patched clean, the rest corrupted {about}")
     return {method: {"budgets": list(value.budgets), "sizes": list(value.sizes), "curve": value.curve.tolist(),
                      "cpr": value.cpr, "cmd": value.cmd} for method, value in scored.items()}
