@@ -137,7 +137,7 @@ def test_every_picture_of_patch_says_what_it_shows(decoder, tmp_path, figures, c
     assert texts(circuit.get_legend()) == ["heads ranked by", *methods]
     saved = json.loads((tmp_path / "patching.json").read_text())
     curves = figures["faithfulness.png"].axes[0]
-    assert curves.get_xlabel() == "circuit size (fraction of units, ranked by each method)"
+    assert curves.get_xlabel() == "circuit size (fraction of the 10 units, ranked by each method)"  # 8 heads, 2 MLPs
     assert curves.get_ylabel() == "F = (m(circuit) - m(corr.)) / (m(clean) - m(corr.))"
     assert min(label.get_fontsize() for axis in (circuit, curves) for label in axis.get_xticklabels()) >= 8
     legend = texts(curves.get_legend())
