@@ -114,8 +114,8 @@ def test_every_picture_of_patch_says_what_it_shows(decoder, tmp_path, figures, c
     for name, what in (("heads.png", "Each attention head patched clean"),
                        ("residual.png", "Each position of the residual stream patched clean"),
                        ("circuit.png", "The top k heads patched clean, all others corrupted"),
-                       ("faithfulness.png", "Faithfulness F of each method's circuits: its top units (heads, "
-                                            "mlps) patched clean, the rest corrupted")):
+                       ("faithfulness.png", ("Faithfulness F of each method's circuits: its top units (heads, "
+                                             "mlps) patched clean, the rest corrupted"))):
         title = figures[name]._suptitle.get_text().replace("\n", " ")  # wrapped to the figure's width
         assert title.startswith(f"{what} ({decoder.name}) m = logit[' mary'] - logit[' john'] at the last position")
         assert f"clean: {CLEAN!r}" in title and f"corrupted: {CORRUPTED!r}" in title
