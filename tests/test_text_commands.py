@@ -42,7 +42,7 @@ def run(*arguments: str) -> int:
     return main([str(argument) for argument in arguments])
 
 
-def test_explain_text_says_it_stopped_and_names_every_file(decoder, tmp_path, capsys):
+def test_explain_text_says_it_stopped_and_names_every_file(decoder, tmp_path, figures, capsys):
     assert run("explain-text", PROMPT, "--model", decoder, "--max-new-tokens", 5, "--out", tmp_path) == 0
     printed = capsys.readouterr()
     lines = printed.out.splitlines()
@@ -62,6 +62,14 @@ def test_explain_text_says_it_stopped_and_names_every_file(decoder, tmp_path, ca
     assert fields["generated"] == f"2 tokens, stopped at the end-of-sequence token {eos!r}".replace("'", "&#x27;")
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", fields["date"])
     assert saved["model"] == decoder.name and saved["date"] == fields["date"]
+    matrix = figures["relevance.png"]
+    title = matrix._suptitle.get_text().replace("\n", " ")  # wrapped to the figure's width
+    assert title == (f"Relevance of each context token for each generated token ({decoder.name}, attnlrp) prompt: "
+                     f"{PROMPT!r}; 2 tokens, stopped at the end-of-sequence token {eos!r}")
+    axis, bar = matrix.axes
+    assert (axis.get_xlabel(), axis.get_ylabel()) == ("context token (prompt | generated)", "generated token")
+    assert [label.get_text() for label in axis.get_yticklabels()] == saved["tokens"][saved["prompt_length"]:]
+    assert bar.get_ylabel().replace("\n", " ") == "relevance / row scale (first and predicting token aside)"
 
 
 def test_explain_text_that_runs_to_the_end_says_no_stop(decoder, tmp_path, capsys):
@@ -74,8 +82,8 @@ def test_explain_text_that_runs_to_the_end_says_no_stop(decoder, tmp_path, capsy
 
 @pytest.fixture
 def figures(monkeypatch) -> dict[str, object]:
-    """The matplotlib figures relprop.viz.patching and relprop.viz.circuits save, by file name, kept open to read
-    their texts."""
+    """The matplotlib figures relprop.viz (the generation's matrix), relprop.viz.patching and relprop.viz.circuits
+    save, by file name, kept open to read their texts."""
     from relprop import viz
     from relprop.viz import circuits, patching
 
@@ -87,7 +95,7 @@ def figures(monkeypatch) -> dict[str, object]:
         kept[Path(path).name] = figure
         return save(figure, path, dpi)
 
-    for module in (patching, circuits):
+    for module in (viz, patching, circuits):
         monkeypatch.setattr(module, "_save_figure", keep)
     return kept
 
@@ -106,9 +114,10 @@ def test_every_picture_of_patch_says_what_it_shows(decoder, tmp_path, figures, c
     for name, what in (("heads.png", "Each attention head patched clean"),
                        ("residual.png", "Each position of the residual stream patched clean"),
                        ("circuit.png", "The top k heads patched clean, all others corrupted"),
-                       ("faithfulness.png", "Circuits of each method's top units (heads, mlps) patched clean")):
-        title = figures[name]._suptitle.get_text()
-        assert title.startswith(f"{what} ({decoder.name})\nm = logit[' mary'] - logit[' john'] at the last position")
+                       ("faithfulness.png", ("Faithfulness F of each method's circuits: its top units (heads, "
+                                             "mlps) patched clean, the rest corrupted"))):
+        title = figures[name]._suptitle.get_text().replace("\n", " ")  # wrapped to the figure's width
+        assert title.startswith(f"{what} ({decoder.name}) m = logit[' mary'] - logit[' john'] at the last position")
         assert f"clean: {CLEAN!r}" in title and f"corrupted: {CORRUPTED!r}" in title
     heads = figures["heads.png"]
     maps, bars = heads.axes[:3], heads.axes[3:]  # the colour bars' axes come after the maps'
@@ -122,10 +131,16 @@ def test_every_picture_of_patch_says_what_it_shows(decoder, tmp_path, figures, c
     assert min(label.get_fontsize() for label in residual.get_xticklabels()) >= 8
     assert residual.get_ylabel() == "residual stream entering layer"
     circuit = figures["circuit.png"].axes[0]
+    assert circuit.get_xlabel() == "heads kept clean (the top k of each method's ranking)"
     assert circuit.get_ylabel() == "share of m(clean) - m(corrupted) recovered"
+    assert [label.get_text() for label in circuit.get_xticklabels()] == ["1", "2", "4", "8"]  # 2 layers x 4 heads
     assert texts(circuit.get_legend()) == ["heads ranked by", *methods]
     saved = json.loads((tmp_path / "patching.json").read_text())
-    legend = texts(figures["faithfulness.png"].axes[0].get_legend())
+    curves = figures["faithfulness.png"].axes[0]
+    assert curves.get_xlabel() == "circuit size (fraction of the 10 units, ranked by each method)"  # 8 heads, 2 MLPs
+    assert curves.get_ylabel() == "F = (m(circuit) - m(corr.)) / (m(clean) - m(corr.))"
+    assert min(label.get_fontsize() for axis in (circuit, curves) for label in axis.get_xticklabels()) >= 8
+    legend = texts(curves.get_legend())
     assert legend == [f"{name} (CPR {saved['faithfulness'][method]['cpr']:.3f}, CMD "
                       f"{saved['faithfulness'][method]['cmd']:.3f})"
                       for name, method in zip(methods, ("activation", "attribution", "relp"))]

@@ -115,7 +115,7 @@ def patch(model: str, clean: str, corrupted: str, answer: str, foil: str, kinds:
              "relp": {name: value[0] for name, value in pair.estimate(chosen, composites.get(preset)).items()}}
     m_clean, m_corrupted = (float(m[0]) for m in pair.metrics())
     click.echo(f"metric logit[{answer!r}] - logit[{foil!r}]: clean {m_clean:.2f}, corrupted {m_corrupted:.2f} "
-               f"(relp: {preset})")
+               f"(relevance patching's rules: {preset})")
     out.mkdir(parents=True, exist_ok=True)
     about = (f"({_model_name(model)})\nm = logit[{answer!r}] - logit[{foil!r}] at the last position\n"
              f"clean: {clean!r} (m {m_clean:.2f})\ncorrupted: {corrupted!r} (m {m_corrupted:.2f})")
@@ -171,6 +171,7 @@ def _faithfulness_curves(network: torch.nn.Module, ids: tuple[torch.Tensor, torc
         f"{method} CPR {scored[method].cpr:.3f} CMD {scored[method].cmd:.3f}" for method in METHODS))
     names = _names(preset)
     save_faithfulness_curves({names[method]: scored[method] for method in METHODS}, out / "faithfulness.png",
-                             title=f"Circuits of each method's top units ({', '.join(kinds)}) patched clean {about}")
+                             title=f"Faithfulness F of each method's circuits: its top units ({', '.join(kinds)}) "
+                                   f"patched clean, the rest corrupted {about}")
     return {method: {"budgets": list(value.budgets), "sizes": list(value.sizes), "curve": value.curve.tolist(),
                      "cpr": value.cpr, "cmd": value.cmd} for method, value in scored.items()}

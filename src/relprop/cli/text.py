@@ -103,7 +103,8 @@ def explain_text(prompt: str, model: str, max_new_tokens: int, continuation: str
     files = [out / "generation.html", out / "relevance.png", out / "generation.json"]
     with viz.atomic_path(files[0]) as temporary:
         temporary.write_text(found.html(header=header), encoding="utf-8")
-    viz.save_generation_matrix(found, files[1])
+    viz.save_generation_matrix(found, files[1], title=f"Relevance of each context token for each generated token "
+                               f"({header['model']}, {preset})\nprompt: {prompt!r}; {written}")
     _write_json({**header, "tokens": tokens, "prompt_length": found.prompt_length,
                  "ids": found.sequences[0].tolist(), "relevance": found.relevance[0].tolist()}, files[2])
     click.echo(f"-> {', '.join(map(str, files))}", file=sys.stdout)

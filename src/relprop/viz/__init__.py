@@ -369,11 +369,12 @@ def text_terminal(tokens: Sequence[str], relevance: Sequence[float] | torch.Tens
 
 
 def save_generation_matrix(generation: Any, path: str | Path, index: int = 0, cmap: str = "bwr",
-                           dpi: int = 110) -> Path:
+                           dpi: int = 110, title: str | None = None) -> Path:
     """The relevance matrix of a generation (:class:`relprop.Generation`): one row per generated token.
 
     Each row is shown on its scale of :meth:`relprop.Generation.scales` (the first and the predicting token,
     which often hold much of the relevance, left out of it); the colour bar is in units of that scale.
+    ``title`` goes above the matrix (what was explained: model, rules, prompt), wrapped to the figure's width.
     """
     keep = generation.attention_mask[index].bool()
     start = int((~keep).sum())
@@ -384,8 +385,11 @@ def save_generation_matrix(generation: Any, path: str | Path, index: int = 0, cm
     scales = generation.scales(index).unsqueeze(1)
     shown = (rows / scales).clamp(-1, 1).numpy()
     columns = len(words) - 1  # the last generated token is predicted, never read
-    height = max(2.5, 0.3 * len(rows) + 1.6)
-    figure, axis = plt.subplots(figsize=(max(4.0, 0.28 * columns + 2), height), layout="constrained")
+    width = max(4.0, 0.28 * columns + 2)
+    title = _wrap(title, width - 0.2, 9) if title else None
+    # each line of the title adds its own height, so that the matrix keeps the same room
+    height = max(2.5, 0.3 * len(rows) + 1.6) + (0.2 * (title.count("\n") + 1) if title else 0.0)
+    figure, axis = plt.subplots(figsize=(width, height), layout="constrained")
     image = axis.imshow(shown[:, :columns], cmap=colormap(cmap), vmin=-1, vmax=1, aspect="auto",
                         interpolation="nearest")
     axis.set_xticks(range(columns), [repr(w)[1:-1] for w in words[:columns]], rotation=90, fontsize=7)
@@ -397,4 +401,6 @@ def save_generation_matrix(generation: Any, path: str | Path, index: int = 0, cm
     # the label runs along the bar, which is about half as long as the figure is high: wrapped to that, it
     # stays on the canvas however few rows there are
     bar.set_label(_wrap("relevance / row scale (first and predicting token aside)", 0.55 * height, 7), fontsize=7)
+    if title:
+        figure.suptitle(title, fontsize=9)
     return _save_figure(figure, path, dpi)

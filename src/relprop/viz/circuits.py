@@ -18,7 +18,8 @@ def save_faithfulness_curves(curves: Mapping[str, Faithfulness], path: str | Pat
 
     ``curves`` maps a ranking's name (``"activation"``, ``"relp"``, ``"random"``) to its
     :class:`~relprop.workflows.circuits.Faithfulness`; the legend gives each one's CPR and CMD. Empty circuits
-    (size 0) are left out of the log scale. ``title`` goes above the plot (what was patched: model, metric).
+    (size 0) are left out of the log scale. ``title`` goes above the plot (what was patched: model, metric); the
+    x axis names the number of units where all curves share it.
     """
     if not curves:
         raise ValueError("relprop: no faithfulness curves to draw")
@@ -30,7 +31,9 @@ def save_faithfulness_curves(curves: Mapping[str, Faithfulness], path: str | Pat
     axis.set_xscale("log")
     axis.axhline(1.0, color="grey", linewidth=0.6, linestyle="--")
     axis.axhline(0.0, color="grey", linewidth=0.6, linestyle=":")
-    axis.set_xlabel("circuit size (fraction of units, ranked by each method)")
+    units = {found.units for found in curves.values()}
+    of = f"the {units.pop()} units" if len(units) == 1 else "units"
+    axis.set_xlabel(f"circuit size (fraction of {of}, ranked by each method)")
     axis.set_ylabel("F = (m(circuit) - m(corr.)) / (m(clean) - m(corr.))", fontsize=8)
     axis.legend(fontsize=7)
     if title:
