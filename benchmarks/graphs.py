@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch_geometric.data import Data
 from torch_geometric.explain import Explainer, Explanation
 from torch_geometric.explain.algorithm import CaptumExplainer, GNNExplainer, PGExplainer
 from torch_geometric.explain.metric import characterization_score, fidelity, groundtruth_metrics
