@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
@@ -20,9 +19,27 @@ from relprop.workflows.decoy import SWATCH, add_swatches, label_shades
 from relprop.workflows.guided import GRADIENT, Penalty, penalty
 
 D = torch.float64
-#: relevance that autograd differentiates in the parameters (``attribute(..., create_graph=True)``): the engine's
-DIFFERENTIABLE = pytest.mark.skipif("create_graph" not in inspect.signature(relprop.LRP.attribute).parameters,
-                                    reason="relprop's LRP.attribute does not take create_graph yet")
+
+
+def _differentiable() -> bool:
+    """Whether ``attribute(..., create_graph=True)`` gives relevance differentiable in the parameters (else it
+    raises ``NotImplementedError``, as this version does)."""
+    try:
+        relprop.LRP(nn.Linear(2, 2)).attribute(torch.ones(1, 2), target=0, create_graph=True)
+    except NotImplementedError:
+        return False
+    return True
+
+
+#: tests of relevance that autograd differentiates in the parameters
+DIFFERENTIABLE = pytest.mark.skipif(not _differentiable(), reason="relprop's relevance is not differentiable yet")
+
+
+def test_create_graph_is_refused_with_a_clear_error_until_it_is_differentiable():
+    if _differentiable():
+        pytest.skip("differentiable")
+    with pytest.raises(NotImplementedError, match=r"^relprop: relevance differentiable .*create_graph=True"):
+        penalty(nn.Sequential(nn.Linear(4, 3)), torch.ones(2, 4), torch.ones(2, 4), torch.tensor([0, 1]))
 
 
 def test_a_swatch_has_its_shade_in_its_corner_and_leaves_the_rest():

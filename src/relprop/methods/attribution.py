@@ -239,7 +239,7 @@ class LRP(Attribution):
 
     @eager
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,
-                  return_convergence_delta: bool = False) -> Any:
+                  return_convergence_delta: bool = False, create_graph: bool = False) -> Any:
         """Relevance of every input feature for the model's output at ``target``.
 
         Parameters
@@ -259,11 +259,17 @@ class LRP(Attribution):
         return_convergence_delta : bool
             Also return ``seed total - relevance total`` per example (what
             the rules absorbed, see :func:`convergence_delta`).
+        create_graph : bool
+            Relevance that autograd differentiates with respect to the inputs
+            and the parameters. Not available yet: True raises
+            ``NotImplementedError``.
 
         Returns
         -------
         Tensor, or tuple of Tensors for tuple inputs; and the delta if asked.
         """
+        if create_graph:
+            raise NotImplementedError(NOT_DIFFERENTIABLE)
         with torch.inference_mode(False), cyclic_gc_paused():
             compiled = self.compiled is not None and self.session_class is Session
             if compiled:  # as one program, where it runs so
@@ -292,6 +298,12 @@ class LRP(Attribution):
         or the whole output relevance (batch first).
         """
         return convergence_delta(output, attributions)
+
+
+#: why ``create_graph=True`` is refused: the rules run on detached copies of the inputs and the parameters, and
+#: their kernels write into shared memory, which autograd cannot record (docs/guide/training.md)
+NOT_DIFFERENTIABLE = ("relprop: relevance differentiable in the parameters and inputs (create_graph=True) is not "
+                      "available in this version; differentiate Gradient x Input or the input gradient instead")
 
 
 def _position(items: Sequence[Tensor], item: Tensor) -> int:

@@ -109,11 +109,7 @@ class Penalty:
         self.model.eval()  # as relprop.LRP explains: dropout off, BatchNorm's running statistics
         try:
             if self.lrp is not None:
-                if not create_graph:  # the values alone: what LRP.attribute gives without the keyword
-                    return self.lrp.attribute(inputs, target)
-                # the engine's differentiable relevance (issue 58, item 1); once LRP.attribute takes the keyword,
-                # both branches become one call with create_graph=create_graph
-                return self.lrp.attribute(inputs, target, create_graph=True)  # type: ignore[call-arg]
+                return self.lrp.attribute(inputs, target, create_graph=create_graph)
             leaf = inputs.detach().requires_grad_(True)
             with torch.enable_grad():
                 log_probabilities = F.log_softmax(self.model(leaf), dim=1)

@@ -92,13 +92,9 @@ def _lrp(composite: Composite | str) -> Explainer:
         if not create_graph:
             return lrp.attribute(x.detach(), target=target).detach()
         try:
-            return lrp.attribute(x, target=target, create_graph=True)  # type: ignore[call-arg]
-        except TypeError as error:
-            if "create_graph" not in str(error):
-                raise
-            raise NotImplementedError("relprop: this version's LRP.attribute takes no create_graph: its relevance "
-                                      "cannot be differentiated; manipulate with composite='gradient-x-input'"
-                                      ) from error
+            return lrp.attribute(x, target=target, create_graph=True)
+        except NotImplementedError as error:
+            raise NotImplementedError(f"{error}; manipulate with composite='gradient-x-input'") from error
     return relevance
 
 
