@@ -22,21 +22,61 @@ from test_compiled_state import mlp
 @pytest.mark.parametrize("target", [1, -1, (2,), [0, 1, 2, 0], torch.tensor([2, 0, 1, 1]), [2], torch.tensor([1])])
 def test_targets_select_as_target_mask_does(target):
     output = torch.randn(4, 3)
-    assert torch.equal(selection_mask(output, target_indices(target)), target_mask(output, target))
+    assert torch.equal(traced_selection(output, target_indices(target)), target_mask(output, target))
 
 
 @pytest.mark.parametrize("target", [(1, 2), (-1, 3), [(0, 1), (2, 6), (1, -1)], (torch.tensor([0, 1, 2]), 4),
                                     ([1, 2, 0], -2), (0,)])
 def test_targets_of_sequences_select_as_target_mask_does(target):
     output = torch.randn(3, 5, 7)
-    assert torch.equal(selection_mask(output, target_indices(target)), target_mask(output, target))
+    expected = torch.zeros_like(output, dtype=torch.bool)
+    for example, index in enumerate(per_example(target, len(output))):
+        expected[(example, *index)] = True
+    assert torch.equal(target_mask(output, target), expected)
+    assert torch.equal(traced_selection(output, target_indices(target)), expected)
+
+
+def per_example(target, batch):
+    """A target written out as one tuple of indices per example, by hand."""
+    if isinstance(target, list):
+        return target
+    columns = [value.tolist() if isinstance(value, torch.Tensor) else value for value in target]
+    return [tuple(column[example] if isinstance(column, list) else column for column in columns)
+            for example in range(batch)]
+
+
+def traced_selection(output, indices):
+    """:func:`selection_mask` as a program traces it (comparisons with positions)."""
+    return torch.compile(selection_mask, backend="eager", fullgraph=True)(output, indices)
 
 
 def test_targets_that_select_otherwise_have_no_indices():
     assert target_indices(relprop.Contrastive(1)) is None
     assert target_indices(torch.randn(4, 3)) is None  # an output relevance
-    assert target_indices([1.5, 2]) is None and target_indices([(0, 1), 2]) is None
     assert target_indices(None) == ()
+
+
+@pytest.mark.parametrize("target, error, match", [
+    ([1.5, 2], TypeError, "must hold integers, got float"),
+    ([(0, 1), 2], ValueError, "index different numbers of dimensions"),
+    ([], ValueError, "target list is empty"),
+    (torch.tensor([[0, 1]]), ValueError, "must be 1-D"),
+    ("1", TypeError, "target must be None"),
+])
+def test_malformed_targets_are_named_when_read(target, error, match):
+    """The one reading of a target refuses what it cannot say as indices, for interception and programs alike."""
+    with pytest.raises(error, match=match):
+        target_indices(target)
+    with pytest.raises(error, match=match):
+        relprop.LRP(mlp(), "epsilon", compile="aot_eager").attribute(rows(), target=target)
+
+
+@pytest.mark.parametrize("target, match", [((0, 5), "index 5 on dimension 2 of size 5"),
+                                           ((torch.tensor([0, 1]), 1), "2 targets given for a batch of 3"),
+                                           ((0, 1, 2), "has 3 indices")])
+def test_indices_are_checked_against_the_output(target, match):
+    with pytest.raises(ValueError, match=match):
+        target_mask(torch.randn(3, 5, 5), target)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

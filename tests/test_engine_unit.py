@@ -209,3 +209,20 @@ def test_a_view_an_op_returns_becomes_a_tensor_of_its_own_and_a_copy_where_it_vi
     assert not copied._is_view() and copied.data_ptr() != of_argument.data_ptr()
     assert torch.equal(copied, of_argument)
 
+
+
+@pytest.mark.parametrize("func, args, kwargs, writes", [
+    (torch.nn.functional.relu, (1.0, True), {}, True),  # the flag by position
+    (torch.nn.functional.relu, (1.0,), {"inplace": True}, True),
+    (torch.nn.functional.relu, (1.0, False), {}, False),
+    (torch.Tensor.add_, (1.0, 2.0), {}, True),
+    (torch.Tensor.__iadd__, (1.0, 2.0), {}, True),
+    (torch.Tensor.__add__, (1.0, 2.0), {}, False),
+    (torch.add, (1.0, 2.0), {"out": None}, True),
+    (torch.ops.aten.relu_.default, (1.0,), {}, True),  # its schema says so
+    (torch.ops.aten.relu.default, (1.0,), {}, False),
+])
+def test_one_test_of_writing_in_place(func, args, kwargs, writes):
+    from relprop._core.signatures import writes_into
+
+    assert writes_into(func, args, kwargs) is writes

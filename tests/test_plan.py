@@ -4,6 +4,8 @@ A replayed pass must give the relevance interception gives, bitwise, and must no
 change a decision (another path through the model, another constant, a new parameter, a changed rule) before
 the op it concerns runs, falling back to interception.
 """
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -182,8 +184,9 @@ class InPlace(nn.Module):
 
 @pytest.mark.parametrize("write", [lambda h: h.mul_(2),
                                    lambda h: F.relu(h, inplace=True),  # no "_" in its name: the flag says it
+                                   lambda h: F.relu(h, True),  # the flag by position
                                    torch.ops.aten.relu_.default],  # named "relu_.default": its schema says it
-                         ids=["mul_", "inplace flag", "aten relu_"])
+                         ids=["mul_", "inplace flag", "flag by position", "aten relu_"])
 def test_an_op_in_place_leaves_the_pass_without_a_plan(write, monkeypatch):
     torch.manual_seed(0)
     model, x = InPlace(write).eval(), torch.randn(4, 6)
@@ -217,11 +220,17 @@ def test_recording_and_replaying_make_no_reference_cycles():
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         for _ in range(3):  # recorded, replayed, replayed
             lrp.attribute(x, target=1)
-            assert gc.collect() == 0
+            gc.collect()
+            found = collections.Counter(f"{type(item).__module__}.{type(item).__qualname__}" for item in gc.garbage)
+            gc.garbage.clear()
+            assert not found, found.most_common(12)
     finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
         if enabled:
             gc.enable()
     assert list(lrp._plans._entries.values())[0].plan is not None

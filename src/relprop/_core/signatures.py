@@ -1,4 +1,5 @@
-"""Arguments of torch functions bound to their parameter names, cheaply (this runs for every op)."""
+"""Arguments of torch functions bound to their parameter names, cheaply (this runs for every op), and whether a
+call writes into one of them."""
 from __future__ import annotations
 
 import functools
@@ -57,3 +58,32 @@ def bind_builtin(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str,
     bound = dict(zip(names, args))
     bound.update(kwargs)
     return bound
+
+
+#: the augmented assignments (``x += y``) and item assignment: the dunder methods that write into a tensor
+_WRITES = frozenset({f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow",
+                                              "and", "or", "xor", "lshift", "rshift")} | {"__setitem__"})
+
+
+@functools.cache
+def inplace_position(func: Callable) -> int | None:
+    """The position of ``func``'s ``inplace`` parameter (``F.relu(x, True)``), or None."""
+    found = _parameters(func)
+    return found[0].index("inplace") if found is not None and "inplace" in found[0] else None
+
+
+def writes_into(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func(*args, **kwargs)`` writes into an argument: its name (``add_``, ``__iadd__``,
+    ``__setitem__``), ``out=``, ``inplace=True`` by name or position, or an aten op's mutable schema. The one test
+    of writing in place, for recorded plans and compiled programs alike."""
+    name = getattr(func, "__name__", "")
+    schema = getattr(func, "_schema", None)  # an aten op (``torch.ops.aten.relu_.default``): its schema says
+    if ((name.endswith("_") and not name.startswith("__")) or name in _WRITES or "out" in kwargs
+            or (schema is not None and schema.is_mutable)):
+        return True
+    flag = kwargs.get("inplace")
+    # only Python functions take the flag (``torch.nn.functional``'s); a builtin's text signature is not parsed
+    if flag is None and args and inspect.isfunction(func):
+        position = inplace_position(func)
+        flag = args[position] if position is not None and position < len(args) else None
+    return flag is True

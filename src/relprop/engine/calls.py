@@ -10,24 +10,16 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
-from collections.abc import Callable, Sequence
-from typing import Any, Self
+from collections.abc import Callable
+from typing import Self
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from relprop._core.kinds import OpKind
 from relprop._core.rule import Rule
-from relprop._core.tensors import (
-    holds_activation,
-    is_activation,
-    is_alias_of,
-    positional_activations,
-    storage_address,
-    storage_use_count,
-)
+from relprop._core.tensors import is_alias_of, storage_address, storage_use_count
+from relprop.engine.arguments import Arguments
 
 
 def _storage_count(tensor: Tensor) -> int:
@@ -59,7 +51,7 @@ _SAVES_NO_OUTPUT = frozenset({OpKind.CONV, OpKind.DENSE, OpKind.BATCHNORM, OpKin
                               OpKind.MAXPOOL})
 
 
-class OpCall:
+class OpCall(Arguments):
     """One operation of the forward pass, as its rule sees it.
 
     Parameters
@@ -103,7 +95,6 @@ class OpCall:
     def __init__(self, kind: OpKind, func: Callable, args: tuple, kwargs: dict, name: str, module_name: str,
                  linearised: Callable | None = None):
         self.kind = kind
-        self.func = func
         #: whether ``func`` overwrites its one activation input and returns it (see ``relprop.ops.inplace._in_place_pass``)
         self.in_place = False
         #: for an op run in place: the call that produced the input it overwrote, which still reads that memory
@@ -112,28 +103,8 @@ class OpCall:
         self.module_name = module_name
         self._rule: Rule | None = None  # set by propagate() before the op runs
         self._linearised = linearised or func
-        self._bind(args, kwargs)
+        super().__init__(func, args, kwargs)
         self._fresh()
-
-    def _bind(self, args: tuple, kwargs: dict) -> None:
-        """Take ``args`` and ``kwargs`` as the op's arguments: its activations become :attr:`inputs`."""
-        leaves, slots = positional_activations(args)
-        self._spec: TreeSpec | None = None
-        self._constants: dict = kwargs
-        if slots is None or (kwargs and holds_activation(kwargs)):
-            leaves, self._spec = tree_flatten((args, kwargs))
-            self._constants = {}
-            slots = [i for i, leaf in enumerate(leaves) if is_activation(leaf)]
-        # else the common case, activations among the positional arguments only: no pytree needed
-        self._slots = slots
-        self._outer: tuple[Tensor, ...] | None = tuple([leaves[i] for i in slots])
-        inputs = []
-        for slot, x in zip(slots, self._outer):
-            leaves[slot] = value = x.detach()
-            inputs.append(value)
-        #: the op's activation arguments, detached, in the order of the call's arguments
-        self.inputs: tuple[Tensor, ...] = tuple(inputs)
-        self._leaves = leaves
 
     def _fresh(self) -> None:
         """The state of a call that has not run: what its pass adds from then on."""
@@ -155,23 +126,9 @@ class OpCall:
         self.finished = False
         self._restore = False
 
-    @property
-    def slots(self) -> list[int] | None:
-        """The positions of the activations among the positional arguments; None where a container holds one."""
-        return self._slots if self._spec is None else None
-
     #: whether :meth:`rebound` makes the call anew from its arguments alone; a call class that holds more of its
     #: pass (a tensor it computed, another call) says False
     replays = True
-
-    def arguments_of(self) -> tuple[tuple, dict]:
-        """The arguments the call was made with (its activations as the model's tensors), while it holds them."""
-        leaves = list(self._leaves)
-        for slot, x in zip(self._slots, self.activations):
-            leaves[slot] = x
-        if self._spec is None:
-            return tuple(leaves), self._constants
-        return tree_unflatten(leaves, self._spec)
 
     def rebound(self, args: tuple, kwargs: dict) -> Self:
         """A call that has not run, with this one's decisions (kind, tags, rule), over other arguments of the
@@ -225,31 +182,6 @@ class OpCall:
             raise RuntimeError(f"relprop: rule {self._rule!r} reads call.prepared, but its prepare returned nothing "
                                f"for {self.describe()}")
         return self._preparation
-
-    @property
-    def activations(self) -> tuple[Tensor, ...]:
-        """The activation inputs as the outer autograd graph knows them (until :meth:`release`)."""
-        if self._outer is None:
-            raise RuntimeError("relprop: the op call no longer holds the model's tensors")
-        return self._outer
-
-    def release(self) -> None:
-        """Drop the model's own tensors once the node exists: the backward pass needs only detached values.
-
-        Keeping them would close a reference cycle through the autograd graph
-        (node -> call -> input -> its later in-place op -> node) that Python's
-        garbage collector cannot see.
-        """
-        self._outer = None
-
-    def call_with(self, func: Callable, inputs: Sequence[Tensor]) -> Tensor:
-        leaves = list(self._leaves)
-        for slot, value in zip(self._slots, inputs):
-            leaves[slot] = value
-        if self._spec is None:
-            return func(*leaves, **self._constants)
-        args, kwargs = tree_unflatten(leaves, self._spec)
-        return func(*args, **kwargs)
 
     def keep_inputs_from(self, target: Tensor) -> None:
         """Before ``target`` is overwritten in place: the inputs in its memory become copies, for the rule to read.
@@ -478,23 +410,3 @@ class OpCall:
 
     def describe(self) -> str:
         return f"{self.name} in module '{self.module_name or '<root>'}'"
-
-    @property
-    def arguments(self) -> dict[str, Any] | None:
-        """The op's arguments other than its activation inputs, by the names its torch function gives them.
-
-        Bound to the function's signature with its defaults filled in
-        (``kernel_size``, ``stride``, ... of ``F.max_pool2d``); None where the
-        function has no signature to bind to, or the activations are nested in
-        containers (no single input to replace).
-        """
-        if self._spec is not None:
-            return None
-        # F.max_pool2d and kin dispatch on return_indices between two functions of one signature
-        func = torch._jit_internal.boolean_dispatched.get(self.func, {}).get("if_false", self.func)
-        try:
-            bound = inspect.signature(func).bind(*self._leaves, **self._constants)
-        except (TypeError, ValueError):  # a builtin without a signature, or arguments it does not take
-            return None
-        bound.apply_defaults()
-        return {name: value for name, value in bound.arguments.items() if not any(value is x for x in self.inputs)}

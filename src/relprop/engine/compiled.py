@@ -9,7 +9,6 @@ under interception. A graph is rewritten whole or not at all.
 """
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from relprop._core.gradient_form import InGradientForm, unwrapped
 from relprop._core.rule import Scaled
-from relprop._core.signatures import bind
+from relprop._core.signatures import bind, inplace_position, writes_into
 from relprop._core.tensors import agrees, per_unit
 from relprop.engine.compiled_attention import fused_node
 from relprop.engine.decide import CannotCompile, Decision, _function
@@ -141,12 +140,7 @@ def _out_of_place(n: fx.Node, func: Callable, order: dict[fx.Node, int]) -> Call
     """``func`` of ``n`` out of place where it writes into its input (``F.hardswish(x, inplace=True)``,
     ``x.sigmoid_()``): its form reads the input as it was. Only where nothing reads the input after it (which
     would read the written values)."""
-    try:
-        flag = bind(func, n.args, dict(n.kwargs)).get("inplace")
-    except TypeError:  # a builtin without a signature: in place by its name alone
-        flag = None
-    in_place = flag is True or getattr(func, "__name__", "").endswith("_")
-    if not in_place:
+    if not writes_into(func, n.args, dict(n.kwargs)):
         return func
     source = n.args[0] if n.args else None
     # a view shares the written memory with its base: of the source, or the source itself
@@ -154,15 +148,17 @@ def _out_of_place(n: fx.Node, func: Callable, order: dict[fx.Node, int]) -> Call
             or any(order[user] > order[n] or _is_view(user) for user in source.users if user is not n)):
         raise CannotCompile(f"relprop: {getattr(func, '__name__', func)} writes into a tensor that is read after it "
                             "or through a view")
-    if flag is True:  # passed by name or by position
-        names = list(inspect.signature(func).parameters)
-        position = names.index("inplace")
+    position = inplace_position(func)
+    if position is not None and (n.kwargs.get("inplace") is True or position < len(n.args)):  # the flag is set
         if position < len(n.args):
             n.args = (*n.args[:position], False, *n.args[position + 1:])
         else:
             n.kwargs = {**n.kwargs, "inplace": False}
         return func
-    return getattr(torch.Tensor, func.__name__[:-1])
+    name = getattr(func, "__name__", "")
+    if name.endswith("_") and hasattr(torch.Tensor, name[:-1]):
+        return getattr(torch.Tensor, name[:-1])
+    raise CannotCompile(f"relprop: {name or func} writes into a tensor, and has no form that does not")
 
 
 def rewrite(gm: fx.GraphModule, decisions: dict[fx.Node, Decision], probes: dict[int, fx.Node]) -> fx.GraphModule:

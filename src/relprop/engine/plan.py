@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from relprop._core.gradient_form import unwrapped
 from relprop._core.registry import HANDLERS
+from relprop._core.signatures import writes_into
 from relprop._core.tensors import is_activation, is_parameter
 from relprop.engine.calls import OpCall
 from relprop.engine.functions import _Unhandled
@@ -122,20 +123,6 @@ def _key(origins: Origins, module_name: str, args: tuple, kwargs: dict) -> tuple
             torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
             torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
             origins.arguments(args), origins.signature(kwargs) if kwargs else ())
-
-
-#: the augmented assignments (``x += y``) and item assignment: the dunder methods that write into a tensor
-_WRITES = frozenset({f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow",
-                                              "and", "or", "xor", "lshift", "rshift")} | {"__setitem__"})
-
-
-def _in_place(func: Callable, kwargs: dict) -> bool:
-    """Whether ``func`` writes into an argument (``add_``, ``__iadd__``, ``__setitem__``, ``out=``, ``inplace=True``:
-    ``torch.nn.functional`` passes the flag by keyword)."""
-    name = getattr(func, "__name__", "")
-    schema = getattr(func, "_schema", None)  # an aten op (``torch.ops.aten.relu_.default``): its schema says
-    return ((name.endswith("_") and not name.startswith("__")) or name in _WRITES or "out" in kwargs
-            or bool(kwargs.get("inplace", False)) or (schema is not None and schema.is_mutable))
 
 
 # ------------------------------------------------------------------------- the actions a step replays
@@ -259,7 +246,7 @@ class Recording:
         finally:
             self._depth -= 1
         action = self._action(func, args, kwargs, out)
-        if action is None or self.origins.unknown or _in_place(func, kwargs):
+        if action is None or self.origins.unknown or writes_into(func, args, kwargs):
             self.valid = False
             return out
         for tensor in tensors_of((args, kwargs), []):

@@ -44,7 +44,7 @@ from relprop.methods.adapters import holds_selective_parameters
 from relprop.methods.compile_log import say, signature_change
 from relprop.methods.compiled_program import (MODEL, Explained, mark_dynamic, model_nodes, probes_of,
                                               program)
-from relprop.methods.targets import LOST_SEED, target_indices, target_mask
+from relprop.methods.targets import LOST_SEED, checked_columns, target_indices
 
 #: the compilers the tier hands its rewritten graph to: Inductor, or AOT autograd without code generation
 #: (quick to compile: the tests' choice)
@@ -207,8 +207,8 @@ class Compiled:
         with ``totals`` the seed's total per example. None where it does not run so, :attr:`split` says why (a
         target that selects otherwise, such as a :class:`~relprop.methods.Contrastive`; a program that does not
         compile): the caller then records a pass, which runs compiled as a forward and a backward program where
-        it can, or, where :attr:`records` is False (a relevance that is not finite), under interception. The target is checked against the logits as
-        :func:`~relprop.methods.target_mask` checks it, after the program ran."""
+        it can, or, where :attr:`records` is False (a relevance that is not finite), under interception. The target is checked against the logits
+        (:func:`~relprop.methods.targets.checked_columns`) after the program ran."""
         selection = target_indices(target)
         self._local.records = True
         if selection is None:
@@ -236,7 +236,7 @@ class Compiled:
                 warn_caller(f"relprop: compile=True fell back to interception: {self.split}", CompileFallbackWarning)
             return None
         logits, relevance, lost, _, total = found
-        target_mask(torch.empty(logits.shape, device="meta"), target)  # raises where it is out of range
+        checked_columns(tuple(index.tolist() for index in selection), logits.shape, target)  # raises where out of range
         if bool(lost):
             warn_caller(LOST_SEED, ConservationWarning)
         return relevance, total

@@ -6,6 +6,7 @@ seed) is the target's output value, so that relevance sums to about ``f_t(x)``.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,22 +47,6 @@ def _is_index(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_index(index: tuple, shape: torch.Size, target: Any) -> tuple[int, ...]:
-    if len(index) > len(shape) - 1:
-        raise ValueError(f"relprop: target {target!r} has {len(index)} indices, but the model output of shape "
-                         f"{tuple(shape)} has only {len(shape) - 1} dimension(s) after the batch dimension")
-    checked = []
-    for dim, value in enumerate(index, start=1):
-        if not _is_index(value):
-            raise TypeError(f"relprop: target {target!r} must hold integers, got {type(value).__name__}")
-        value, size = int(value), shape[dim]
-        if not -size <= value < size:
-            raise ValueError(f"relprop: target {target!r} is out of range for the model output of shape "
-                             f"{tuple(shape)}: index {value} on dimension {dim} of size {size}")
-        checked.append(value)
-    return tuple(checked)
-
-
 def _per_example(value: Any) -> bool:
     """Whether an entry of a tuple target holds one index per example (a 1-D integer tensor, or a list)."""
     if isinstance(value, Tensor):
@@ -69,16 +54,79 @@ def _per_example(value: Any) -> bool:
     return isinstance(value, list)
 
 
-def _per_example_targets(target: tuple, batch: int) -> list[tuple]:
-    """A tuple target with entries per example, as one tuple per example (an entry of one serves them all)."""
-    columns = [(value.tolist() if isinstance(value, Tensor) else list(value)) if _per_example(value) else None
-               for value in target]
-    lengths = {len(column) for column in columns if column is not None} - {1}
-    if len(lengths) > 1 or lengths and lengths != {batch}:
-        raise ValueError(f"relprop: target {target!r} holds {sorted(lengths)} indices per entry for a batch of "
-                         f"{batch} examples")
-    return [tuple(value if column is None else column[example if len(column) > 1 else 0]
-                  for value, column in zip(target, columns)) for example in range(batch)]
+def _column(values: Sequence[Any], target: Any) -> list[int]:
+    """Integer indices as Python ints; a TypeError that names ``target`` where one is not an integer."""
+    for value in values:
+        if not _is_index(value):
+            raise TypeError(f"relprop: target {target!r} must hold integers, got {type(value).__name__}")
+    return [int(value) for value in values]
+
+
+def _selects_otherwise(target: Any) -> bool:
+    """A :class:`Contrastive` or an output relevance (a floating-point tensor): a seed that indices cannot say."""
+    return isinstance(target, Contrastive) or isinstance(target, Tensor) and target.is_floating_point()
+
+
+def target_columns(target: Target) -> tuple[list[int], ...] | None:
+    """``target`` as indices: the one reading of a target in relprop.
+
+    One list per indexed dimension after the batch dimension, of one index for every example or one per
+    example; ``()`` for None (the one output of each example). None where ``target`` selects otherwise (a
+    :class:`Contrastive`, an output relevance). :func:`checked_columns` checks them against an output;
+    :func:`target_mask` and, as tensors, :func:`target_indices` take them from here.
+
+    Raises
+    ------
+    TypeError
+        ``target`` is of another type, or holds something other than integers.
+    ValueError
+        A target tensor that is not 1-D, an empty list, or a list whose targets index different numbers of
+        dimensions.
+    """
+    if target is None:
+        return ()
+    if _selects_otherwise(target):
+        return None
+    if _is_index(target):
+        return (_column([target], target),)
+    if isinstance(target, tuple):  # one index per dimension, each for every example or one per example
+        return tuple(_column(value.tolist() if isinstance(value, Tensor) else value, target) if _per_example(value)
+                     else _column([value], target) for value in target)
+    if isinstance(target, Tensor) and target.dim() != 1:
+        raise ValueError(f"relprop: a target tensor must be 1-D (one class per example), got shape "
+                         f"{tuple(target.shape)}")
+    if not isinstance(target, (list, Tensor)):
+        raise TypeError(f"relprop: target must be None, an int, a tuple, a list or a tensor, "
+                        f"got {type(target).__name__}")
+    rows = [item if isinstance(item, tuple) else (item,) for item in (target.tolist() if isinstance(target, Tensor)
+                                                                      else target)]
+    if not rows:
+        raise ValueError("relprop: the target list is empty; give one target, or one per example")
+    if len({len(row) for row in rows}) > 1:
+        raise ValueError(f"relprop: the targets of {target!r} index different numbers of dimensions")
+    return tuple(_column(column, target) for column in zip(*rows))
+
+
+def checked_columns(columns: tuple[list[int], ...], shape: torch.Size, target: Any) -> tuple[list[int], ...]:
+    """:func:`target_columns`'s ``columns``, checked against a model output of ``shape``: as many dimensions as
+    it has after the batch dimension at most, one index or one per example, each in range. ``target`` names
+    the problem in the error."""
+    batch = shape[0] if len(shape) else 1
+    if not columns and math.prod(shape) != batch:
+        raise ValueError(f"relprop: the model output has shape {tuple(shape)}, more than one value per "
+                         "example; pass target= to choose which one to explain")
+    if len(columns) > len(shape) - 1:
+        raise ValueError(f"relprop: target {target!r} has {len(columns)} indices, but the model output of shape "
+                         f"{tuple(shape)} has only {len(shape) - 1} dimension(s) after the batch dimension")
+    for dim, column in enumerate(columns, start=1):
+        size = shape[dim]
+        if len(column) not in (1, batch):
+            raise ValueError(f"relprop: {len(column)} targets given for a batch of {batch} examples")
+        outside = [value for value in column if not -size <= value < size]
+        if outside:
+            raise ValueError(f"relprop: target {target!r} is out of range for the model output of shape "
+                             f"{tuple(shape)}: index {outside[0]} on dimension {dim} of size {size}")
+    return columns
 
 
 def target_mask(output: Tensor, target: Target) -> Tensor:
@@ -92,67 +140,33 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
     may itself hold one index per example (``(-1, next_tokens)``, a 1-D
     integer tensor or a list).
     """
-    batch = output.shape[0] if output.dim() else 1
+    columns = target_columns(target)
+    if columns is None:
+        raise TypeError(f"relprop: target {target!r} is not a selection of outputs (a Contrastive or an output "
+                        "relevance is a seed: see output_relevance)")
+    checked_columns(columns, output.shape, target)
     mask = torch.zeros_like(output, dtype=torch.bool)
-    if target is None:
-        if output.numel() != batch:
-            raise ValueError(f"relprop: the model output has shape {tuple(output.shape)}, more than one value per "
-                             "example; pass target= to choose which one to explain")
-        mask.fill_(True)
-    elif isinstance(target, tuple) and any(_per_example(value) for value in target):
-        return target_mask(output, _per_example_targets(target, batch))
-    elif _is_index(target) or isinstance(target, tuple):
-        index = _check_index(target if isinstance(target, tuple) else (target,), output.shape, target)
-        key: tuple[slice | int, ...] = (slice(None), *index)
-        mask[key] = True
-    elif isinstance(target, (list, Tensor)):
-        if isinstance(target, Tensor) and target.dim() != 1:
-            raise ValueError(f"relprop: a target tensor must be 1-D (one class per example), got shape "
-                             f"{tuple(target.shape)}")
-        targets = target.tolist() if isinstance(target, Tensor) else list(target)
-        if len(targets) == 1:
-            targets = targets * batch
-        if len(targets) != batch:
-            raise ValueError(f"relprop: {len(targets)} targets given for a batch of {batch} examples")
-        for example, item in enumerate(targets):
-            index = _check_index(item if isinstance(item, tuple) else (item,), output.shape, item)
-            mask[(example, *index)] = True
-    else:
-        raise TypeError(f"relprop: target must be None, an int, a tuple, a list or a tensor, "
-                        f"got {type(target).__name__}")
+    if output.dim() == 0:
+        return mask.fill_(True)
+    if all(len(column) == 1 for column in columns):
+        mask[(slice(None), *(column[0] for column in columns))] = True
+        return mask
+    for example in range(output.shape[0]):  # one per example: the indices of each row
+        mask[(example, *(column[example if len(column) > 1 else 0] for column in columns))] = True
     return mask
 
 
 def target_indices(target: Target) -> tuple[Tensor, ...] | None:
-    """``target`` as index tensors, one per indexed dimension after the batch dimension, each of one index for
-    every example or one per example (int64, shape ``(1,)`` or ``(n,)``), for :func:`selection_mask`: a compiled
-    program selects with them whatever their values, where the values of Python integers would each be compiled
-    into a program of their own. ``()`` for None (every entry of an output of one value per example). None where
-    ``target`` selects otherwise (a :class:`Contrastive`, an output relevance) or is malformed: for those,
-    :func:`target_mask` decides (and names the problem)."""
-    if target is None:
-        return ()
-    if isinstance(target, tuple) and any(_per_example(value) for value in target):
-        try:  # as one tuple per example, taken below
-            target = _per_example_targets(target, max(len(value) for value in target if _per_example(value)))
-        except ValueError:
-            return None
-    if _is_index(target) or (isinstance(target, tuple) and all(_is_index(value) for value in target)):
-        return tuple(torch.tensor([int(value)], dtype=torch.int64)
-                     for value in (target if isinstance(target, tuple) else (target,)))
-    if isinstance(target, Tensor) and _per_example(target):
-        target = target.tolist()
-    if isinstance(target, list) and target:
-        rows = [item if isinstance(item, tuple) else (item,) for item in target]
-        if len({len(row) for row in rows}) != 1 or not all(_is_index(v) for row in rows for v in row):
-            return None
-        return tuple(torch.tensor([int(v) for v in column], dtype=torch.int64) for column in zip(*rows))
-    return None
+    """:func:`target_columns` as index tensors (int64, shape ``(1,)`` or ``(n,)``) for :func:`selection_mask`: a
+    compiled program selects with them whatever their values, where the values of Python integers would each be
+    compiled into a program of their own."""
+    columns = target_columns(target)
+    return None if columns is None else tuple(torch.tensor(column, dtype=torch.int64) for column in columns)
 
 
 def selection_mask(output: Tensor, indices: tuple[Tensor, ...]) -> Tensor:
     """The entries of ``output`` that :func:`target_indices`'s ``indices`` select, as :func:`target_mask` (for
-    indices in range: a compiled program checks them against ``target_mask`` after it ran). Comparisons with
+    indices in range: a compiled program checks them with :func:`checked_columns` after it ran). Comparisons with
     positions only, so that it compiles for any values."""
     mask = torch.ones_like(output, dtype=torch.bool)
     for dim, index in enumerate(indices, start=1):
