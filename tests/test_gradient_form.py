@@ -422,3 +422,33 @@ def test_a_rule_that_fills_inputs_of_value_0_is_explained_with_relevance_itself(
     relevance = relprop.LRP(model, gradient_form).attribute(x, target=1)
     assert torch.equal(relevance, relprop.LRP(model, relevance_form).attribute(x, target=1))
     assert (relevance[0, [1, 3]] != 0).all()
+
+
+class FirstTakesAll(relprop.rules.Rule):
+    """A user's rule for products: the first factor takes all the relevance as LRP-0 hands it on, the others none;
+    in relevance form, and stated once as a :class:`~relprop.rules.Scaled` for the gradient form."""
+
+    kinds = frozenset({"product"})
+    needs_vjp = True
+
+    def propagate(self, call, relevance):
+        grads = call.vjp(relevance * relprop.rules.inverse_denominator(call.output, 0.0))
+        return (call.inputs[0] * grads[0], *(None for _ in call.inputs[1:]))
+
+    def gradient_reads(self, call):
+        return relprop.rules.Reads(vjp=True)
+
+    def scaled(self, call):
+        return relprop.rules.Scaled(shares=(1.0,) + (0.0,) * (len(call.inputs) - 1))
+
+
+def test_a_rule_that_states_its_gradient_form_as_scaled_gets_it_under_interception():
+    torch.manual_seed(0)
+    model = Decoder(fused=False).double().eval()
+    gradient_form, relevance_form = both_forms("attnlrp", func_map={torch.mul: FirstTakesAll()})
+    relevance, expected = (relprop.LRP(model, composite).attribute(IDS, target=(-1, 3))
+                           for composite in (gradient_form, relevance_form))
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12 * expected.abs().max().item())
+    default = relprop.LRP(model, "attnlrp").attribute(IDS, target=(-1, 3))
+    assert not torch.allclose(relevance, default)  # the rule took part: not the preset's own products

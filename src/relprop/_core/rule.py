@@ -10,7 +10,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 from torch import Tensor
 
-from relprop._core.contract import Call, is_product
+from relprop._core.contract import Call, is_parametric, is_product
 from relprop._core.kinds import OpKind
 from relprop._core.tensors import per_unit, sum_to
 
@@ -48,6 +48,26 @@ class Scaled(NamedTuple):
     #: tensor whose VJP at ``x`` (and at ``probe``, ones that stand in for the input of a rule that fills zeros)
     #: is the rule's, ``evaluate(x, weight, bias)`` the op, ``z`` its output (:class:`~relprop.rules.BasicRule`)
     modified: Callable[..., Tensor] | None = None
+
+def scaled_gradient(call: Call, form: Scaled, grad: Tensor) -> tuple[Tensor | None, ...]:
+    """What ``form`` makes of ``G`` at ``call``'s output: ``share_x * VJP_x(G * output(z))`` for each input, or with
+    ``ratio`` ``G * out / x``. On a dense or convolution layer the VJP is the call's ``vjp_scaled`` (a vocabulary
+    head transposes the rows that hold relevance alone)."""
+    if form.ratio:
+        (x,) = call.inputs
+        return (per_unit(sum_to(grad * call.output, x.shape), x, owned=True),)
+    output = form.output
+    if output is None:
+        grads = call.vjp(grad)
+    elif is_parametric(call):
+        grads = call.vjp_scaled(grad, lambda z, bias: output(z))
+    else:
+        grads = call.vjp(grad * output(call.output))
+    if not form.shares:
+        return grads
+    return tuple(None if c is None or share == 0 else c if share == 1 else c * share
+                 for c, share in zip(grads, form.shares))
+
 
 #: the view of an op call that a rule reads (:mod:`relprop.rules`)
 C_contra = TypeVar("C_contra", bound=Call, contravariant=True)
@@ -145,15 +165,18 @@ class Rule(Generic[C_contra]):
     def gradient(self, call: C_contra, grad: Tensor) -> tuple[Tensor | None, ...]:
         """The rule in gradient form: ``G = R / out`` at the output to ``R_x / x`` at each input.
 
-        Only where :meth:`gradient_reads` says the rule has one.
+        Only where :meth:`gradient_reads` says the rule has one. Derived from :meth:`scaled`
+        (:func:`scaled_gradient`), the form a compiled pass traces too: a rule states its gradient form once, as
+        a :class:`Scaled`, and overrides this only where that cannot say it.
         """
-        raise NotImplementedError
+        form = self.scaled(call)
+        if form is None or form.modified is not None:
+            raise NotImplementedError(f"relprop: rule {self!r} states no gradient form of {call.describe()}")
+        return scaled_gradient(call, form, grad)
 
     def scaled(self, call: C_contra) -> Scaled | None:
-        """:meth:`gradient` as the op's VJP rescaled (:class:`Scaled`), for a compiled pass; None where it is not.
-
-        Only asked where :meth:`gradient_reads` gives a gradient form that is not ``native``.
-        """
+        """The rule's gradient form as the op's VJP rescaled (:class:`Scaled`), or None where it has none that a
+        :class:`Scaled` can say. :meth:`gradient` runs it under interception; a compiled pass traces it."""
         return None
 
     def __repr__(self) -> str:
@@ -187,14 +210,8 @@ class Pass(Rule[Call]):
         # an op that scales its input (f(x) = f'(x) x) has the identity rule as its VJP: out / x is f'(x)
         return Reads(vjp=True, native=True) if _scales(call) else Reads(output=True, inputs=True)
 
-    def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
-        """``G_x = G * out / x``, the ratio of the output to the input; for an op that scales its input, its VJP."""
-        if _scales(call):
-            return call.vjp(grad)
-        (x,) = call.inputs
-        return (per_unit(sum_to(grad * call.output, x.shape), x, owned=True),)
-
     def scaled(self, call: Call) -> Scaled:
+        """``G_x = G * out / x``, the ratio of the output to the input; for an op that scales its input, its VJP."""
         return Scaled() if _scales(call) else Scaled(ratio=True)
 
     def conserves(self, call: Call) -> bool:

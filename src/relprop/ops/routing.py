@@ -12,7 +12,7 @@ from torch import Tensor
 from relprop._core.contract import Call
 from relprop._core.kinds import OpKind
 from relprop._core.registry import ALWAYS_HANDLED, ROUTING_HANDLERS, lookup, register, torch_and_tensor
-from relprop._core.rule import Gradient, Reads
+from relprop._core.rule import Gradient, Reads, Scaled
 from relprop._core.tensors import has_activation, is_activation
 from relprop.engine.session import GradientFormUnavailable
 from relprop.ops.attention import note_routed
@@ -75,8 +75,8 @@ class _Routes(Gradient):
     def gradient_reads(self, call: Call) -> Reads:
         return Reads(vjp=True, native=True)
 
-    def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return call.vjp(grad)
+    def scaled(self, call: Call) -> Scaled:
+        return Scaled()
 
 
 _ROUTES = _Routes()

@@ -26,7 +26,7 @@ from relprop._core.contract import (
                                      is_product,
 )
 from relprop._core.kinds import OpKind
-from relprop._core.rule import Gradient, Pass, Reads, Rule
+from relprop._core.rule import Gradient, Pass, Reads, Rule, Scaled
 from relprop.rules.basic import AlphaBeta, BasicRule, Flat, Gamma, WSquare, ZBox, ZPlus
 from relprop.rules.epsilon import LINEAR_KINDS, PARAMETRIC_KINDS, Epsilon, Norm
 from relprop.rules.functions import AsFunction, Proportional
@@ -37,7 +37,7 @@ from relprop.rules.stabilizers import denominator, inverse_denominator
 from relprop.rules.terms import Shares, Term
 
 __all__ = [
-    "Rule", "Reads", "Epsilon", "Norm", "BasicRule", "Term", "Shares", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
+    "Rule", "Reads", "Scaled", "Epsilon", "Norm", "BasicRule", "Term", "Shares", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
     "Flat", "WSquare", "Pass", "Gradient", "UniformProduct", "SignalTakesAll", "Softmax", "AsFunction", "Proportional",
     "SmoothStride", "attention_relevance", "Identity", "PlainGradient",
     "denominator", "inverse_denominator", "LINEAR_KINDS", "PARAMETRIC_KINDS",

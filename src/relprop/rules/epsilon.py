@@ -124,14 +124,15 @@ class Epsilon(Rule[Call]):
         return Reads(vjp=True, output=self._stabilised, native=not self._stabilised)
 
     def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
-        """``G_x = VJP(G * z / (z + eps sign z))``: the op's VJP of ``G``, for LRP-0 ``G`` itself."""
-        if not self._stabilised:
-            return call.vjp(grad)
-        if is_parametric(call):  # on a vocabulary head, the rows of G that hold relevance alone
-            return call.vjp_scaled(grad, self._ratio)
-        return call.vjp(grad * self._ratio(call.output, None))
+        """With ``zero_bias`` (outside :meth:`scaled`: its ratio reads the bias term) ``G_x = VJP(G * z / (d + eps
+        sign d))``, ``d = z - b``; else as :meth:`scaled` says."""
+        if not self.zero_bias:
+            return super().gradient(call, grad)
+        assert is_parametric(call)  # accepts() took parametric calls alone with zero_bias
+        return call.vjp_scaled(grad, self._ratio)
 
     def scaled(self, call: Call) -> Scaled | None:
+        """``G_x = VJP(G * z / (z + eps sign z))``: the op's VJP of ``G``, for LRP-0 ``G`` itself."""
         # its ratio reads the bias term, or the inputs, which a traced pass does not hand over
         if self.zero_bias or self.relative:
             return None

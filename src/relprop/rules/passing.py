@@ -44,11 +44,8 @@ class PlainGradient(Rule[Call]):
     def gradient_reads(self, call: Call) -> Reads:
         return Reads(vjp=True, native=True)
 
-    def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
-        """``G_x = VJP_x(G)``."""
-        return call.vjp(grad)
-
     def scaled(self, call: Call) -> Scaled:
+        """``G_x = VJP_x(G)``."""
         return Scaled()
 
 

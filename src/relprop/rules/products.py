@@ -150,15 +150,16 @@ class UniformProduct(Rule[Call]):
         return Reads(vjp=True, output=self.epsilon != 0)
 
     def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
-        """Each factor's VJP of ``G``, divided by the number of factors; attention's as :func:`attention_gradient`."""
-        if self.epsilon != 0:
-            grad = _stabilised(call, grad, self.epsilon)
-        if is_attention(call):
-            return attention_gradient(call, grad, values_only=False)
-        k = len(call.inputs)
-        return tuple(None if c is None else c / k for c in call.vjp(grad))
+        """Fused attention's as :func:`attention_gradient` (outside :meth:`scaled`: its shares are those of the
+        weights' two products); a product's as :meth:`scaled` says."""
+        if not is_attention(call):
+            return super().gradient(call, grad)
+        return attention_gradient(call, _stabilised(call, grad, self.epsilon) if self.epsilon else grad,
+                                  values_only=False)
 
     def scaled(self, call: Call) -> Scaled:
+        """Each factor's VJP of ``G``, times ``1 / k`` of ``k`` factors (``G`` stabilised by ``z / (z + eps sign
+        z)``)."""
         k = len(call.inputs)
         shares = _shares_of(call, values_only=False) if is_attention(call) else (1 / k,) * k
         return Scaled(output=_ratio(self.epsilon), shares=shares)
@@ -260,15 +261,15 @@ class SignalTakesAll(Rule[Call]):
         return Reads(vjp=True, native=True, held=self.gates(call))
 
     def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
-        """The signal's VJP of ``G`` with the gates held constant (its relevance all of the output's); gates none."""
-        if self.prepares_on(call) and self.epsilon != 0:
-            grad = _stabilised(call, grad, self.epsilon)
-        if is_attention(call):
-            return attention_gradient(call, grad, values_only=True)
-        assert is_product(call)  # accepts() took only products and attention
-        return tuple(None if gate or c is None else c for c, gate in zip(call.vjp(grad), self.gates(call)))
+        """Fused attention's as :func:`attention_gradient` (outside :meth:`scaled`, as
+        :meth:`UniformProduct.gradient`); a product's as :meth:`scaled` says."""
+        if not is_attention(call):
+            return super().gradient(call, grad)
+        return attention_gradient(call, _stabilised(call, grad, self.epsilon) if self.epsilon else grad,
+                                  values_only=True)
 
     def scaled(self, call: Call) -> Scaled:
+        """The signal's VJP of ``G`` with the gates held constant (its relevance all of the output's); gates none."""
         if is_attention(call):
             shares = _shares_of(call, values_only=True)
         else:
@@ -299,6 +300,6 @@ class Softmax(Rule[SoftmaxView]):
     def gradient_reads(self, call: SoftmaxView) -> Reads:
         return Reads(vjp=True, native=True)
 
-    def gradient(self, call: SoftmaxView, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def scaled(self, call: SoftmaxView) -> Scaled:
         """Gradient x Input in gradient form: the softmax's own VJP of ``G`` (0 at masked entries, where ``s = 0``)."""
-        return call.vjp(grad)
+        return Scaled()
