@@ -135,8 +135,9 @@ def test_cnn_equals_interception(preset):
     assert lrp.compiled.compilations == 1
 
 
-@pytest.mark.parametrize("preset", ["epsilon", "attnlrp", "cp-lrp"])
+@pytest.mark.parametrize("preset", ["epsilon", "attnlrp", "cp-lrp", "relp", "relp-ah"])
 def test_block_equals_interception(preset):
+    """RelP's Identity-rule on the SiLU compiles too: its gradient form is stated as a stabilised ratio."""
     torch.manual_seed(0)
     model = Block().double().eval()
     x = torch.randn(2, 5, 8, dtype=torch.float64)
@@ -205,6 +206,16 @@ def tiny_llama(layers):
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).double().eval()
+
+
+def test_relp_with_held_attention_compiles_a_llama():
+    """RelP's AH-rule (the Identity-rule on RMSNorm's square, the attention weights held) as one program."""
+    model = tiny_llama(2)
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    lrp = compiled(model, "relp-ah")
+    relevance = lrp.attribute(ids, target=(-1, 4))
+    assert lrp.compiled.fallback is None
+    assert_same(relevance, interception(model, "relp-ah", ids, (-1, 4)), bound=1e-6)  # RMSNorm in float32
 
 
 def test_generation_does_not_recompile_for_another_prompt_length():

@@ -20,7 +20,7 @@ import relprop
 from relprop._core.sdpa import attention_weights, head_groups, repeat_heads
 from relprop.rules import products
 from relprop.rules.products import attention_relevance, recomputed_attention_relevance
-from relprop.rules.stabilizers import inverse_denominator
+from relprop._core.stabilizers import inverse_denominator
 
 QKV = ("query", "key", "value")
 CASES = {

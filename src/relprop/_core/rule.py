@@ -12,6 +12,7 @@ from torch import Tensor
 
 from relprop._core.contract import Call, is_parametric, is_product
 from relprop._core.kinds import OpKind
+from relprop._core.stabilizers import inverse_denominator
 from relprop._core.tensors import per_unit, sum_to
 
 
@@ -44,6 +45,8 @@ class Scaled(NamedTuple):
     shares: tuple[float, ...] = ()
     #: ``G_x = G * out / x``: the op's ratio of output to input (Pass on an op that does not scale its input)
     ratio: bool = False
+    #: with ``ratio``: ``x`` stabilised as ``x + stabiliser * sign x`` (``sign 0 = +1``; the Identity-rule)
+    stabiliser: float = 0.0
     #: a parametric rule's modified products instead: ``modified(evaluate, x, weight, bias, z, probe)`` is a
     #: tensor whose VJP at ``x`` (and at ``probe``, ones that stand in for the input of a rule that fills zeros)
     #: is the rule's, ``evaluate(x, weight, bias)`` the op, ``z`` its output (:class:`~relprop.rules.BasicRule`)
@@ -51,10 +54,12 @@ class Scaled(NamedTuple):
 
 def scaled_gradient(call: Call, form: Scaled, grad: Tensor) -> tuple[Tensor | None, ...]:
     """What ``form`` makes of ``G`` at ``call``'s output: ``share_x * VJP_x(G * output(z))`` for each input, or with
-    ``ratio`` ``G * out / x``. On a dense or convolution layer the VJP is the call's ``vjp_scaled`` (a vocabulary
+    ``ratio`` ``G * out / x`` (``x`` stabilised where the form says). On a dense or convolution layer the VJP is the call's ``vjp_scaled`` (a vocabulary
     head transposes the rows that hold relevance alone)."""
     if form.ratio:
         (x,) = call.inputs
+        if form.stabiliser:
+            return (sum_to(grad * call.output, x.shape) * inverse_denominator(x, form.stabiliser),)
         return (per_unit(sum_to(grad * call.output, x.shape), x, owned=True),)
     output = form.output
     if output is None:

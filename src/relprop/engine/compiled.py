@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from relprop._core.gradient_form import InGradientForm, unwrapped
 from relprop._core.rule import Scaled
 from relprop._core.signatures import bind, inplace_position, writes_into
+from relprop._core.stabilizers import inverse_denominator
 from relprop._core.tensors import agrees, per_unit
 from relprop.engine.compiled_attention import fused_node
 from relprop.engine.decide import CannotCompile, Decision, _function
@@ -70,7 +71,9 @@ class Form:
         if scaled is not None and scaled.ratio:  # G_x = G * out / x: x times that ratio
             out = self.func(*args, **kwargs)
             (x,) = inputs
-            ratio = per_unit(out.detach(), x.detach().expand_as(out))
+            held = x.detach().expand_as(out)
+            ratio = (out.detach() * inverse_denominator(held, scaled.stabiliser) if scaled.stabiliser
+                     else per_unit(out.detach(), held))
             return _substitute(out, x * ratio)
         if self.linearised is None:
             z = self.func(*moved_args, **moved_kwargs)

@@ -33,7 +33,7 @@ from relprop.rules.functions import AsFunction, Proportional
 from relprop.rules.passing import Identity, PlainGradient
 from relprop.rules.products import SignalTakesAll, Softmax, UniformProduct, attention_relevance
 from relprop.rules.smooth_stride import SmoothStride
-from relprop.rules.stabilizers import denominator, inverse_denominator
+from relprop._core.stabilizers import denominator, inverse_denominator
 from relprop.rules.terms import Shares, Term
 
 __all__ = [

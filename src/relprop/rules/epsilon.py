@@ -9,7 +9,7 @@ from torch import Tensor
 from relprop._core.contract import Call, is_parametric
 from relprop._core.kinds import OpKind
 from relprop._core.rule import Reads, Rule, Scaled
-from relprop.rules.stabilizers import inverse_denominator, per_unit_ratio, relative_inverse
+from relprop._core.stabilizers import inverse_denominator, per_unit_ratio, relative_inverse
 
 #: Op kinds that are linear in their activation inputs.
 LINEAR_KINDS = frozenset({OpKind.CONV, OpKind.DENSE, OpKind.BATCHNORM, OpKind.SUM, OpKind.NORM})

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from relprop._core.contract import PoolView
 from relprop._core.rule import C_contra, Rule
-from relprop.rules.stabilizers import denominator
+from relprop._core.stabilizers import denominator
 
 
 class AsFunction(Rule[C_contra]):

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from relprop._core.contract import ParametricView
 from relprop._core.rule import broadcasts_to
-from relprop.rules.stabilizers import _stabilizer, denominator
+from relprop._core.stabilizers import denominator, stabilizer
 from relprop.rules.terms import (
     NEGATIVE_SHARE,
     POSITIVE_SHARE,
@@ -163,7 +163,7 @@ def _split_input(call: ParametricView, signed: bool) -> _Split | None:
 
 def _nonnegative_denominator(z: Tensor, epsilon: float) -> Tensor:
     """:func:`~relprop.rules.denominator` of a ``z >= 0`` that the caller owns, in place: ``z + epsilon``."""
-    epsilon = _stabilizer(epsilon, z.dtype)
+    epsilon = stabilizer(epsilon, z.dtype)
     return z.add_(epsilon) if epsilon else z.masked_fill_(z == 0, math.inf)
 
 
@@ -174,7 +174,7 @@ def _nonpositive_denominator(z: Tensor, epsilon: float) -> Tensor:
     there every product ``x_i w_ij`` summed into ``z`` is 0 as well, so the
     relevance is exactly 0 with either sign.
     """
-    epsilon = _stabilizer(epsilon, z.dtype)
+    epsilon = stabilizer(epsilon, z.dtype)
     return z.sub_(epsilon) if epsilon else z.masked_fill_(z == 0, -math.inf)
 
 
@@ -278,7 +278,7 @@ class _Gamma(Kernel):
         slope = 1 / (1 + gamma)
         z = call.take_output()
         z = call.output.clone() if z is None else z
-        epsilon = _stabilizer(self.stabilizer, z.dtype)
+        epsilon = stabilizer(self.stabilizer, z.dtype)
         t = split.take_positive().mul_(gamma).add_(epsilon)
         # w t as a leaky ReLU of copysign(t, z); z + w t has the sign of z and |z + w t| >= t
         shared = F.leaky_relu_(t.copysign_(z), slope).add_(z)

@@ -17,8 +17,8 @@ from torch import Tensor
 from relprop._core.contract import Call
 from relprop._core.kinds import OpKind
 from relprop._core.rule import Pass, Reads, Rule, Scaled
+from relprop._core.stabilizers import inverse_denominator
 from relprop._core.tensors import per_unit, sum_to
-from relprop.rules.stabilizers import inverse_denominator
 
 
 class PlainGradient(Rule[Call]):
@@ -91,15 +91,9 @@ class Identity(Rule[Call]):
     def gradient_reads(self, call: Call) -> Reads:
         return self._pass.gradient_reads(call) if self._exact(call) else Reads(output=True, inputs=True)
 
-    def gradient(self, call: Call, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def scaled(self, call: Call) -> Scaled:
         """``G * act(x) / (x + eps sign x)``, summed to the input's shape; an op that scales its input: its VJP."""
-        if self._exact(call):
-            return self._pass.gradient(call, grad)
-        (x,) = call.inputs
-        return (sum_to(grad * call.output, x.shape) * inverse_denominator(x, self.epsilon),)
-
-    def scaled(self, call: Call) -> Scaled | None:
-        return self._pass.scaled(call) if self._exact(call) else None
+        return self._pass.scaled(call) if self._exact(call) else Scaled(ratio=True, stabiliser=self.epsilon)
 
     def conserves(self, call: Call) -> bool:
         return True

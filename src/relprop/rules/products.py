@@ -12,7 +12,7 @@ from relprop._core.kinds import GATE_TAGS
 from relprop._core.rule import Reads, Rule, Scaled
 from relprop._core.sdpa import attention_weights, head_groups, repeat_heads, softmax_scale
 from relprop._core.tensors import sum_to
-from relprop.rules.stabilizers import inverse_denominator, per_unit_ratio
+from relprop._core.stabilizers import inverse_denominator, per_unit_ratio
 
 
 def attention_relevance(call: AttentionView, relevance: Tensor, values_only: bool) -> tuple[Tensor | None, ...]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from relprop.rules.stabilizers import denominator
+from relprop._core.stabilizers import denominator
 
 
 def _identity(tensor: Tensor) -> Tensor:

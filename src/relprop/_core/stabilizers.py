@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 
-def _stabilizer(epsilon: float, dtype: torch.dtype) -> float:
+def stabilizer(epsilon: float, dtype: torch.dtype) -> float:
     """In float16 and bfloat16 the stabiliser is at least the dtype's machine epsilon, so that 1/eps stays finite."""
     if dtype in (torch.float16, torch.bfloat16):
         return max(epsilon, torch.finfo(dtype).eps)
@@ -22,7 +22,7 @@ def denominator(z: Tensor, epsilon: float) -> Tensor:
     the result gives 0 there instead of NaN. In float16 and bfloat16 ``epsilon``
     is at least the dtype's machine epsilon.
     """
-    epsilon = _stabilizer(epsilon, z.dtype)
+    epsilon = stabilizer(epsilon, z.dtype)
     if epsilon == 0:
         return torch.where(z == 0, math.inf, z)
     # eps * (1 - 2 [z < 0]) + z, bitwise z + eps or z - eps, with one new tensor: torch.where costs
@@ -38,7 +38,7 @@ def inverse_denominator(z: Tensor, epsilon: float, in_place: bool = False) -> Te
     inverse is 0 where ``1 / z`` is infinite: at ``z = 0``, and at subnormal
     ``z`` (``1 / z`` overflows there; ``denominator`` keeps them).
     """
-    epsilon = _stabilizer(epsilon, z.dtype)
+    epsilon = stabilizer(epsilon, z.dtype)
     if epsilon == 0:
         # one pass in place instead of `where(z == 0, 0, 1 / z)`: 6x faster on a transformer's small tensors,
         # where LRP-0 (AttnLRP) takes an inverse per linear layer
@@ -57,7 +57,7 @@ def relative_inverse(z: Tensor, contributions: Tensor, epsilon: float) -> Tensor
     Written into ``contributions``. 0 where the denominator is 0 (``z`` and its contributions all 0), where no
     relevance can arrive. In float16 and bfloat16 ``epsilon`` is at least the dtype's machine epsilon.
     """
-    epsilon = _stabilizer(epsilon, z.dtype)
+    epsilon = stabilizer(epsilon, z.dtype)
     # copysign: sign(+0) = +1, so an output of 0 with contributions of both signs gets a finite inverse
     denominator = torch.copysign(contributions.mul_(epsilon), z).add_(z)
     return denominator.reciprocal_().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
