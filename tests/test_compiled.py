@@ -208,14 +208,40 @@ def tiny_llama(layers):
     return transformers.LlamaForCausalLM(config).double().eval()
 
 
-def test_relp_with_held_attention_compiles_a_llama():
-    """RelP's AH-rule (the Identity-rule on RMSNorm's square, the attention weights held) as one program."""
+@pytest.mark.parametrize("preset", ["relp", "relp-ah"])
+def test_relp_compiles_a_llama(preset):
+    """RelP (the Identity-rule on RMSNorm's square and on transformers' SiLU module, whose func_map names the
+    attention's matmul alone) and its AH-rule, as one program."""
     model = tiny_llama(2)
     ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(1))
-    lrp = compiled(model, "relp-ah")
+    lrp = compiled(model, preset)
     relevance = lrp.attribute(ids, target=(-1, 4))
     assert lrp.compiled.fallback is None
-    assert_same(relevance, interception(model, "relp-ah", ids, (-1, 4)), bound=1e-6)  # RMSNorm in float32
+    assert_same(relevance, interception(model, preset, ids, (-1, 4)), bound=1e-6)  # RMSNorm in float32
+
+
+class SiLUActivation(nn.Module):
+    """An activation module of another library (by its name), as transformers writes it: one op."""
+
+    def forward(self, x):
+        return F.silu(x)
+
+
+@pytest.mark.parametrize("entry, compiles", [(F.silu, False), (torch.matmul, True)], ids=["silu", "matmul"])
+def test_an_activation_module_compiles_unless_the_func_map_names_its_function(entry, compiles):
+    """Interception explains the module as one op on its output, which no func_map entry matches; in a program
+    its one op would take an entry that names its function."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), SiLUActivation(), nn.Linear(8, 3)).double().eval()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    composite = relprop.composites.get("attnlrp", func_map={entry: relprop.rules.PlainGradient()})
+    lrp = compiled(model, composite)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CompileFallbackWarning)
+        relevance = lrp.attribute(x, target=1)
+    assert (lrp.compiled.fallback is None) is compiles
+    assert compiles or "the func_map names its function" in str(caught[0].message)
+    assert_same(relevance, interception(model, composite, x, 1))
 
 
 def test_generation_does_not_recompile_for_another_prompt_length():

@@ -225,6 +225,14 @@ class Composite:
         rule = getattr(module, "rule", None)
         return rule if isinstance(rule, Rule) else None
 
+    def maps_function(self, func: Callable) -> bool:
+        """Whether ``func_map`` gives ``func`` (or an alias of it, :func:`function_name`) a rule; for what is no
+        function to name, whether it gives any function one."""
+        try:
+            return function_name(func) in self._by_function
+        except ValueError:
+            return bool(self._by_function)
+
     def rule_for(self, call: OpCall, module: nn.Module | None, name: str) -> tuple[Rule | None, str]:
         """The rule for ``call``, issued by ``module`` at path ``name``, and where it came from.
 

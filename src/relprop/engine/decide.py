@@ -99,9 +99,9 @@ class Decider(Session):
         self._note("node", call, None, rule, out)
         return out
 
-    def enter(self, stack: list[str], prefix: str, alone: bool) -> None:
-        """The module context of a node issued inside the modules of ``stack`` (outermost first); ``alone``:
-        the node is the only op of its innermost module."""
+    def enter(self, stack: list[str], prefix: str, alone: bool, func: Any) -> None:
+        """The module context of a node of ``func`` issued inside the modules of ``stack`` (outermost first);
+        ``alone``: the node is the only op of its innermost module."""
         context = self.context
         context.clear()
         context.enter(self._by_path[""])
@@ -117,10 +117,16 @@ class Decider(Session):
                 context.enter(module)
         if context.opaque:
             # interception explains an activation module of another library as one op on its output, with the
-            # rule and tag of an activation: its one op is that, unless a func_map names functions
-            if not alone or getattr(self.composite, "func_map", None):
+            # rule and tag of an activation: its one op is that, unless the func_map names its function
+            maps = getattr(self.composite, "maps_function", None)
+            named = maps(func) if maps is not None else bool(getattr(self.composite, "func_map", None))
+            if not alone:
                 raise CannotCompile(f"relprop: module '{context.module_name}' is an activation module of another "
                                     "library written as several ops, which interception explains as one")
+            if named:
+                raise CannotCompile(f"relprop: module '{context.module_name}' is an activation module of another "
+                                    "library, which interception explains as one op that no func_map entry matches, "
+                                    "and the func_map names its function")
             context.opaque = 0
 
 
@@ -155,7 +161,9 @@ class _Deciding(fx.Interpreter):
             return super().run_node(n)
         decider = self.decider
         stack = [path for path, _ in (n.meta.get("nn_module_stack") or {}).values()]
-        decider.enter(stack, self.prefix, self._ops[_innermost(n)] == 1)
+        method = n.op == "call_method" and isinstance(n.target, str)
+        decider.enter(stack, self.prefix, self._ops[_innermost(n)] == 1,
+                      getattr(torch.Tensor, str(n.target), n.target) if method else n.target)
         decider.effects, decider.calls = [], {}
         embedded = {index: len(leaves) for index, leaves in decider.embeddings.items()}
         args, kwargs = self.fetch_args_kwargs_from_env(n)
