@@ -30,7 +30,7 @@ _RELU = KEEPS_NONZERO | {torch.relu, Tensor.relu}
 
 def aliases(value: Any, target: Tensor) -> bool:
     """Whether ``value`` is a tensor in ``target``'s memory (``target`` itself, or a view of it)."""
-    # not by their storage objects: made once, one lives as long as the memory (see relprop.engine.calls._storage_count)
+    # not by their storage objects: made once, one lives as long as the memory (see relprop.engine.memory._storage_count)
     return isinstance(value, Tensor) and is_alias_of(value, target)
 
 
