@@ -13,58 +13,28 @@ also when the forward raises. What the pass knows about its activations
 :class:`~relprop.ops.OpHost` protocol."""
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 from torch.utils.weak import WeakIdKeyDictionary
 
 from relprop._core.errors import RuleError
 from relprop._core.gradient_form import Converted, InGradientForm, in_gradient_form
 from relprop._core.kinds import OpKind
-from relprop._core.modules import evaluation
-from relprop._core.registry import ALWAYS_HANDLED, HANDLERS, op_name, register, resolve
+from relprop._core.registry import ALWAYS_HANDLED, HANDLERS, op_name, resolve
 from relprop._core.rule import Rule
 from relprop._core.tensors import has_activation, has_parameter, is_activation
 from relprop.engine.calls import OpCall
 from relprop.engine.context import ModuleContext
 from relprop.engine.functions import GradientFormUnavailable, Unruled, _Unhandled
 from relprop.engine.guard import Guard
+from relprop.engine.hooks import ModuleHooks
 from relprop.engine.nodes import propagate, substitute, tap, watch
 from relprop.engine.parametric import Workspace, model_input
 from relprop.engine.plan import Recording, Replay
 from relprop.engine.tracking import AliasTracker, aliases
-
-_current = threading.local()
-
-def _stored(x: Tensor, value: Tensor) -> Tensor:
-    """The op of an activation module: its output ``value`` was computed by the module itself from ``x``.
-
-    Called under the session's mode (from the module's forward hook), it reaches the mode as any op does
-    (:func:`_activation_op`), so that a plan records and checks it as one. As the op itself, a tensor of its own
-    over ``value``'s memory: the node's output gets the node as its ``grad_fn``, and ``value`` is kept among the
-    call's arguments, so returning it would close a reference cycle through the autograd graph (node -> call ->
-    argument -> node) that Python's garbage collector cannot see.
-    """
-    if has_torch_function((x, value)):
-        return handle_torch_function(_stored, (x, value), x, value)
-    return value.detach()
-
-
-def _activation_op(session: "Session", func: Callable, args: tuple, kwargs: dict) -> Tensor:
-    """An activation module written as several ops (GPT-2's tanh GELU): one elementwise op, identity rule."""
-    call = OpCall(OpKind.ELEMENTWISE, func, args, kwargs, type(session.context.module).__name__, session.module_name)
-    out = session.run(call)
-    session.aliases.set_tag(out, "activation")
-    return out
-
-
-register(_activation_op, [_stored])
-
 
 def _constant_output(out: Any, args: tuple) -> Any:
     """``out``, computed from constants alone, as constants.
@@ -94,7 +64,7 @@ class RuleSource(Protocol):
         """The rule given to a custom ``torch.autograd.Function`` (``func_map`` by class), if any."""
 
 
-class Session(Guard, Unruled, TorchFunctionMode):
+class Session(Guard, Unruled, ModuleHooks):
     """One attribution forward pass of ``model`` with rules from ``composite``.
 
     Parameters
@@ -178,11 +148,6 @@ class Session(Guard, Unruled, TorchFunctionMode):
 
     # ------------------------------------------------------------ module context
 
-    @property
-    def module_name(self) -> str:
-        """The dotted path of the innermost module whose forward is running."""
-        return self.context.module_name
-
     def module_rule(self) -> Rule | None:
         """The rule set on the innermost module as ``module.rule``, if any."""
         return self.composite.own_rule(self.context.module)
@@ -191,50 +156,6 @@ class Session(Guard, Unruled, TorchFunctionMode):
                linearised: Callable | None = None) -> OpCall:
         """An op call of ``kind`` for ``func(*args, **kwargs)``, issued by the current module (see :class:`OpCall`)."""
         return OpCall(kind, func, args, kwargs, op_name(func), self.context.module_name, linearised)
-
-    def _enter_module(self, module: nn.Module, args: Any) -> Any:
-        if getattr(_current, "session", None) is not self:
-            return None
-        self.context.enter(module)
-        tapper = self._taps.get(module)
-        if tapper is not None and tapper.input:
-            return tapper(self, args)
-        return None
-
-    def _exit_module(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if getattr(_current, "session", None) is not self or not self.context.is_innermost(module):
-            return None
-        if self.context.end_opaque() and output is not None:
-            output = self._activation_module(module, args, output)
-        if isinstance(output, Tensor):  # a custom Function's output, named after the module that applied it
-            with self._reading():
-                self.custom_functions((output,), self.module_name)
-        self.context.exit()
-        tapper = self._taps.get(module)
-        if tapper is not None and not tapper.input and output is not None:
-            return tapper(self, output)
-        return output
-
-    def _activation_module(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        """An activation module written as several ops: one op on its output (:func:`_activation_op`)."""
-        x = args[0] if len(args) == 1 else None
-        with self._reading():
-            if not any(is_activation(a) for a in args):
-                return output  # constants in, constant out
-            if not (is_activation(x) and isinstance(output, Tensor) and output.shape == x.shape):
-                raise RuntimeError(f"relprop: activation module '{self.module_name}' ({type(module).__name__}) must "
-                                   "map one tensor to one tensor of the same shape")
-            value = output.detach()
-        return _stored(x, value)
-
-    @contextmanager
-    def _reading(self) -> Iterator[None]:
-        """The engine reads tensors in a module hook (flags, autograd nodes): those reads are no ops of the model."""
-        self._engine_reads = True
-        try:
-            yield
-        finally:
-            self._engine_reads = False
 
     def token_embedding(self, ids: Any, vectors: Tensor) -> Tensor:
         """Embedded vectors of an integer model input become leaves that collect its tokens' relevance."""
@@ -261,27 +182,6 @@ class Session(Guard, Unruled, TorchFunctionMode):
         self.aliases.alias(out, value)
         self.tapped[out] = record
         return out
-
-    @contextmanager
-    def active(self) -> Iterator["Session"]:
-        """Hooks, eval mode and the torch function mode for one forward pass; all undone on exit."""
-        handles = []
-        previous = getattr(_current, "session", None)
-        model = next(iter(self.context.names))  # named_modules() yields the model first
-        with evaluation(model, "relprop: the model is in training mode; it is explained in eval mode (dropout off, "
-                        "BatchNorm running statistics) and put back afterwards"):
-            try:
-                for module in self.context.names:
-                    handles.append(module.register_forward_pre_hook(self._enter_module))
-                    handles.append(module.register_forward_hook(self._exit_module, always_call=True))
-                _current.session = self
-                with self:
-                    yield self
-            finally:
-                _current.session = previous
-                self.context.clear()
-                for handle in handles:
-                    handle.remove()
 
     # ------------------------------------------------------------ helpers for op families
 
