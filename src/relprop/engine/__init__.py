@@ -11,7 +11,8 @@ from relprop._core.errors import ConservationWarning, RuleError, UnhandledOpWarn
 from relprop.engine.calls import OpCall
 from relprop.engine.context import ModuleContext
 from relprop.engine.nodes import is_relevance_node, propagate, substitute, tap, watch, write_into
-from relprop.engine.parametric import ParametricCall, Workspace, model_input, routed_image
+from relprop.engine.parametric import ParametricCall, model_input, routed_image
+from relprop.engine.sign_parts import Workspace
 from relprop.engine.session import Session
 from relprop.engine.sums import AddCall, InPlaceSumCall
 from relprop.engine.tracking import AliasTracker, aliases

@@ -32,7 +32,8 @@ from relprop.engine.functions import GradientFormUnavailable, Unruled, _Unhandle
 from relprop.engine.guard import Guard
 from relprop.engine.hooks import ModuleHooks
 from relprop.engine.nodes import propagate, substitute, tap, watch
-from relprop.engine.parametric import Workspace, model_input
+from relprop.engine.parametric import model_input
+from relprop.engine.sign_parts import Workspace
 from relprop.engine.plan import Recording, Replay
 from relprop.engine.tracking import AliasTracker, aliases
 

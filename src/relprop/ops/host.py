@@ -9,7 +9,7 @@ from torch import Tensor
 from relprop._core.kinds import OpKind
 from relprop._core.rule import Rule
 from relprop.engine.calls import OpCall
-from relprop.engine.parametric import Workspace
+from relprop.engine.sign_parts import Workspace
 from relprop.engine.tracking import AliasTracker
 
 
