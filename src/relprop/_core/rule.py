@@ -52,10 +52,11 @@ class Scaled(NamedTuple):
     #: is the rule's, ``evaluate(x, weight, bias)`` the op, ``z`` its output (:class:`~relprop.rules.BasicRule`)
     modified: Callable[..., Tensor] | None = None
 
+
 def scaled_gradient(call: Call, form: Scaled, grad: Tensor) -> tuple[Tensor | None, ...]:
     """What ``form`` makes of ``G`` at ``call``'s output: ``share_x * VJP_x(G * output(z))`` for each input, or with
-    ``ratio`` ``G * out / x`` (``x`` stabilised where the form says). On a dense or convolution layer the VJP is the call's ``vjp_scaled`` (a vocabulary
-    head transposes the rows that hold relevance alone)."""
+    ``ratio`` ``G * out / x`` (``x`` stabilised where the form says). On a dense or convolution layer the VJP is
+    the call's ``vjp_scaled`` (a vocabulary head transposes the rows that hold relevance alone)."""
     if form.ratio:
         (x,) = call.inputs
         if form.stabiliser:

@@ -125,7 +125,8 @@ class CallMemory(Arguments):
         self.overwrites = overwrites
 
     def zeroed_in_place(self) -> None:
-        """An in-place ReLU overwrote the output in its memory: it holds ``relu(z) >= 0`` (see :meth:`restore_output`)."""
+        """An in-place ReLU overwrote the output in its memory: it holds ``relu(z) >= 0``
+        (see :meth:`restore_output`)."""
         self.output_nonnegative = True
 
     def take_output(self) -> Tensor | None:

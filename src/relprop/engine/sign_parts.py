@@ -84,7 +84,8 @@ class SignParts(OpCall):
         return w_pos, w_neg
 
     def negative_weight(self, out: Tensor) -> Tensor:
-        """``W-`` of :attr:`weight`, written into ``out``: a weight-sized tensor the caller is done with (its ``W+``)."""
+        """``W-`` of :attr:`weight`, written into ``out``: a weight-sized tensor the caller is done with
+        (its ``W+``)."""
         return torch.clamp(self._weight_in(out), max=0, out=out)
 
     def _write_signs(self, w_pos: Tensor, w_neg: Tensor | None) -> None:
