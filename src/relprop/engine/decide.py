@@ -30,7 +30,7 @@ from relprop.engine.calls import OpCall
 from relprop.engine.compiled_attention import FUSED_ROLES, WrittenAttention, written_attention
 from relprop.engine.functions import GradientFormUnavailable, _Unhandled
 from relprop.engine.session import RuleSource, Session
-from relprop.engine.tracking import maps_zero_to_zero
+from relprop.engine.zeros import maps_zero_to_zero
 
 
 class CannotCompile(RuntimeError):
