@@ -129,7 +129,7 @@ def test_every_picture_of_patch_says_what_it_shows(decoder, tmp_path, figures, c
     tokens = json.loads((tmp_path / "patching.json").read_text())["tokens"]
     assert [label.get_text() for label in residual.get_xticklabels()] == tokens
     assert min(label.get_fontsize() for label in residual.get_xticklabels()) >= 8
-    assert residual.get_ylabel() == "residual stream entering layer"
+    assert residual.get_ylabel() == "residual stream entering layer\n(the last row: leaving the last)"
     circuit = figures["circuit.png"].axes[0]
     assert circuit.get_xlabel() == "heads kept clean (the top k of each method's ranking)"
     assert circuit.get_ylabel() == "share of m(clean) - m(corrupted) recovered"

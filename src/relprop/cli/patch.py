@@ -22,7 +22,8 @@ PRESETS = ("relp", "relp-ah", "attnlrp", "cp-lrp", "epsilon")
 DEFAULT_COMPONENTS = ("heads", "mlps", "residual")
 #: the kinds with one unit per layer and position, drawn as layers x positions maps with the tokens: what was
 #: patched (the title), and what a row is
-BY_POSITION = {"residual": ("Each position of the residual stream", "residual stream entering layer"),
+BY_POSITION = {"residual": ("Each position of the residual stream",
+                            "residual stream entering layer\n(the last row: leaving the last)"),
                "attn_out": ("Each attention block's output at each position", "attention output of layer"),
                "mlp_out": ("Each MLP's output at each position", "MLP output of layer")}
 #: the kinds a circuit is made of (MIB's nodes): the residual stream carries everything, so it is none

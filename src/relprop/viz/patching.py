@@ -69,7 +69,7 @@ def save_head_maps(values: Mapping[str, torch.Tensor], path: str | Path, cmap: s
 
 def save_residual_maps(values: Mapping[str, torch.Tensor], tokens: Sequence[str], path: str | Path,
                        cmap: str = "bwr", dpi: int = 110, title: str | None = None, label: str = EFFECT,
-                       rows: str = "residual stream entering layer") -> Path:
+                       rows: str = "residual stream entering layer\n(the last row: leaving the last)") -> Path:
     """``layers + 1 x positions`` maps of the residual stream's effects per method, the tokens on the axis.
 
     Row ``l`` is the hidden state entering layer ``l``; the last row, the one leaving the last layer. Any kind
