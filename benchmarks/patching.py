@@ -237,9 +237,10 @@ def main() -> None:
             by_task[f"{c} {method}"] = row
             print(f"| {c} | {method} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
     ratios = {name: statistics.median(t / g for t, g in zip(times[name], times["gradient"]))
-              for name in ("relp", "attribution", "activation")}
-    print(f"\ncost, median over pairs, as multiples of one gradient ({statistics.median(times['gradient']):.3f} s): "
-          + ", ".join(f"{name} {ratio:.2f}" for name, ratio in ratios.items()))
+              for name in ("relp", "attribution", "activation") if times["gradient"]}  # none with --timed 0
+    if ratios:
+        print(f"\ncost, median over pairs, as multiples of one gradient ({statistics.median(times['gradient']):.3f} "
+              "s): " + ", ".join(f"{name} {ratio:.2f}" for name, ratio in ratios.items()))
     print("\n| heads kept clean (k) | " + " | ".join(str(k) for k in args.ks) + " |\n|---|"
           + "---|" * len(args.ks))
     mean_curves = {m: torch.stack(curves[m]).mean(0) for m in curves}
