@@ -210,7 +210,6 @@ def test_a_view_an_op_returns_becomes_a_tensor_of_its_own_and_a_copy_where_it_vi
     assert torch.equal(copied, of_argument)
 
 
-
 @pytest.mark.parametrize("func, args, kwargs, writes", [
     (torch.nn.functional.relu, (1.0, True), {}, True),  # the flag by position
     (torch.nn.functional.relu, (1.0,), {"inplace": True}, True),

@@ -118,12 +118,11 @@ class Decider(Session):
         if context.opaque:
             # interception explains an activation module of another library as one op on its output, with the
             # rule and tag of an activation: its one op is that, unless the func_map names its function
-            maps = getattr(self.composite, "maps_function", None)
-            named = maps(func) if maps is not None else bool(getattr(self.composite, "func_map", None))
             if not alone:
                 raise CannotCompile(f"relprop: module '{context.module_name}' is an activation module of another "
                                     "library written as several ops, which interception explains as one")
-            if named:
+            maps = getattr(self.composite, "maps_function", None)  # a composite's; any other source: any entry
+            if maps(func) if maps is not None else getattr(self.composite, "func_map", None):
                 raise CannotCompile(f"relprop: module '{context.module_name}' is an activation module of another "
                                     "library, which interception explains as one op that no func_map entry matches, "
                                     "and the func_map names its function")

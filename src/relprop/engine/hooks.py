@@ -21,6 +21,7 @@ from relprop.engine.tracking import AliasTracker
 
 _current = threading.local()
 
+
 def _stored(x: Tensor, value: Tensor) -> Tensor:
     """The op of an activation module: its output ``value`` was computed by the module itself from ``x``.
 

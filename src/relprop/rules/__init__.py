@@ -27,19 +27,19 @@ from relprop._core.contract import (
 )
 from relprop._core.kinds import OpKind
 from relprop._core.rule import Gradient, Pass, Reads, Rule, Scaled
+from relprop._core.stabilizers import denominator, inverse_denominator
 from relprop.rules.basic import AlphaBeta, BasicRule, Flat, Gamma, WSquare, ZBox, ZPlus
 from relprop.rules.epsilon import LINEAR_KINDS, PARAMETRIC_KINDS, Epsilon, Norm
 from relprop.rules.functions import AsFunction, Proportional
 from relprop.rules.passing import Identity, PlainGradient
 from relprop.rules.products import SignalTakesAll, Softmax, UniformProduct, attention_relevance
 from relprop.rules.smooth_stride import SmoothStride
-from relprop._core.stabilizers import denominator, inverse_denominator
 from relprop.rules.terms import Shares, Term
 
 __all__ = [
-    "Rule", "Reads", "Scaled", "Epsilon", "Norm", "BasicRule", "Term", "Shares", "ZPlus", "AlphaBeta", "Gamma", "ZBox",
-    "Flat", "WSquare", "Pass", "Gradient", "UniformProduct", "SignalTakesAll", "Softmax", "AsFunction", "Proportional",
-    "SmoothStride", "attention_relevance", "Identity", "PlainGradient",
+    "Rule", "Reads", "Scaled", "Epsilon", "Norm", "BasicRule", "Term", "Shares", "ZPlus", "AlphaBeta", "Gamma",
+    "ZBox", "Flat", "WSquare", "Pass", "Gradient", "UniformProduct", "SignalTakesAll", "Softmax", "AsFunction",
+    "Proportional", "SmoothStride", "attention_relevance", "Identity", "PlainGradient",
     "denominator", "inverse_denominator", "LINEAR_KINDS", "PARAMETRIC_KINDS",
     # the contract a rule reads (what an op call offers) and the op kinds
     "OpKind", "Call", "ParametricView", "ProductView", "SoftmaxView", "PoolView", "AttentionView", "is_parametric",

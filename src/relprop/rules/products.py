@@ -74,8 +74,9 @@ def _ratio(epsilon: float) -> functools.partial | None:
 
 
 def _stabilised(call: Call, grad: Tensor, epsilon: float) -> Tensor:
-    """``G`` scaled by ``z / (z + eps sign z)`` for a rule that divides by the output ``z`` (gradient form)."""
-    return grad * per_unit_ratio(call.output, epsilon)
+    """``G`` scaled by ``z / (z + eps sign z)`` for a rule that divides by the output ``z`` (gradient form); LRP-0's
+    ``G`` as it is."""
+    return grad * per_unit_ratio(call.output, epsilon) if epsilon else grad
 
 
 def recomputed_attention_relevance(call: AttentionView, relevance: Tensor,
@@ -154,8 +155,7 @@ class UniformProduct(Rule[Call]):
         weights' two products); a product's as :meth:`scaled` says."""
         if not is_attention(call):
             return super().gradient(call, grad)
-        return attention_gradient(call, _stabilised(call, grad, self.epsilon) if self.epsilon else grad,
-                                  values_only=False)
+        return attention_gradient(call, _stabilised(call, grad, self.epsilon), values_only=False)
 
     def scaled(self, call: Call) -> Scaled:
         """Each factor's VJP of ``G``, times ``1 / k`` of ``k`` factors (``G`` stabilised by ``z / (z + eps sign
@@ -265,8 +265,7 @@ class SignalTakesAll(Rule[Call]):
         :meth:`UniformProduct.gradient`); a product's as :meth:`scaled` says."""
         if not is_attention(call):
             return super().gradient(call, grad)
-        return attention_gradient(call, _stabilised(call, grad, self.epsilon) if self.epsilon else grad,
-                                  values_only=True)
+        return attention_gradient(call, _stabilised(call, grad, self.epsilon), values_only=True)
 
     def scaled(self, call: Call) -> Scaled:
         """The signal's VJP of ``G`` with the gates held constant (its relevance all of the output's); gates none."""
