@@ -44,10 +44,13 @@ from relprop.workflows.guided import GRADIENT, Penalty
 EXPLAINERS: dict[str, tuple[relprop.Composite | str, float]] = {
     "RRR": (GRADIENT, 10.0),
     "LRP epsilon": ("epsilon", 10.0),
+    # AttnLRP's preset: LRP-0 on the MLP's dense layers (its rules for attention and norms find none here)
+    "LRP attnlrp": ("attnlrp", 10.0),
     # epsilon-gamma-box's first-layer rule (ZBox, bounded by the pixels' range [0, 1]) on the MLP's first layer:
     # its presets differ from epsilon on an MLP only by the first layer, and epsilon-plus-flat's Flat gives every
-    # pixel the same share there
-    "LRP zbox-epsilon": (relprop.Composite(1e-6, first={"dense": relprop.rules.ZBox(0.0, 1.0)}), 10.0),
+    # pixel the same share there. ZBox gives the swatch's pixels relevance of their bounds whatever their shade,
+    # so its penalty needs a larger weight
+    "LRP zbox-epsilon": (relprop.Composite(1e-6, first={"dense": relprop.rules.ZBox(0.0, 1.0)}), 100.0),
 }
 
 

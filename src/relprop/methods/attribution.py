@@ -15,6 +15,7 @@ from relprop.engine.session import GradientFormUnavailable, Session
 from relprop.methods._inputs import Inputs, Target, explained_arguments
 from relprop.methods.adapters import hold_selective_parameters
 from relprop.methods.compiled import Compiled, FiniteCheck
+from relprop.methods.differentiable import Differentiable
 from relprop.methods.forward_pass import ForwardPass
 from relprop.methods.protocol import Attribution, cyclic_gc_paused, eager
 from relprop.methods.targets import convergence_delta, model_logits, output_relevance
@@ -100,6 +101,7 @@ class LRP(Attribution):
         #: the compiled tier (``compile=True``), None under interception alone
         self.compiled = (Compiled(self.model, self.composite, "inductor" if compile is True else compile)
                          if compile else None)
+        self._program: Differentiable | None = None  # of a differentiable relevance, from its first call
 
     @contextmanager
     def context(self) -> Iterator[Session]:
@@ -138,7 +140,7 @@ class LRP(Attribution):
 
     @eager
     def record(self, inputs: Inputs, additional_forward_args: Any = None, taps: Any = None,
-               audit: Any = None, reusable: bool = True) -> ForwardPass:
+               audit: Any = None, reusable: bool = True, create_graph: bool = False) -> ForwardPass:
         """Run the model once under the engine and keep the pass, for :meth:`~relprop.methods.ForwardPass.relevance`.
 
         Use it to choose the output relevance after seeing the output, and to
@@ -151,7 +153,9 @@ class LRP(Attribution):
         :meth:`attribute` does, for the least time and memory.
         ``additional_forward_args`` may be a tuple of further positional
         arguments or a dict of keyword arguments (``attention_mask=...``).
-        ``taps`` and ``audit`` are handed to :class:`~relprop.engine.Session`.
+        ``taps`` and ``audit`` are handed to :class:`~relprop.engine.Session`. With ``create_graph`` the pass's
+        relevance (:meth:`~relprop.methods.ForwardPass.propagate` with ``create_graph=True``) is differentiable
+        with respect to the parameters and inputs (see :meth:`attribute`).
 
         Examples
         --------
@@ -167,8 +171,24 @@ class LRP(Attribution):
         >>> relevance.shape
         torch.Size([2, 4])
         """
+        if create_graph:
+            if taps is not None or audit is not None:
+                raise ValueError("relprop: a differentiable pass (create_graph=True) takes no taps or audit")
+            return self._differentiable(*explained_arguments(inputs, additional_forward_args, attached=True),
+                                        reusable=reusable)
         return self._record(*explained_arguments(inputs, additional_forward_args), taps, audit, reusable,
                             compiled=True)
+
+    def _differentiable(self, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any],
+                        reusable: bool) -> ForwardPass:
+        """A pass whose relevance is differentiable (:mod:`relprop.methods.differentiable`)."""
+        if self.session_class is not Session:
+            raise NotImplementedError(f"relprop: {type(self).__name__} has no differentiable relevance "
+                                      "(create_graph=True): it reads ops that LRP's program does not write")
+        if self._program is None:
+            self._program = Differentiable(self.model, self.composite)
+        return self._program.record(self.model, leaves, extra, keywords, self.composite, reusable, self.strict,
+                                    self.guard)
 
     def _record(self, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any], taps: Any, audit: Any,
                 reusable: bool, compiled: bool) -> ForwardPass:
@@ -240,18 +260,20 @@ class LRP(Attribution):
             the rules absorbed, see :func:`convergence_delta`).
         create_graph : bool
             Relevance that autograd differentiates with respect to the inputs
-            and the parameters. Not available yet: True raises
-            ``NotImplementedError``.
+            (an input that requires grad is differentiated through whatever
+            computed it) and the parameters: the derivative of the relevance
+            function itself, for training with explanations and attacks on
+            them (:mod:`relprop.methods.differentiable`; the model must be
+            captured whole by Dynamo, each op's rule in gradient form, else
+            :class:`~relprop.UnsupportedOpError` names what is not).
 
         Returns
         -------
         Tensor, or tuple of Tensors for tuple inputs; and the delta if asked.
         """
-        if create_graph:
-            raise NotImplementedError(NOT_DIFFERENTIABLE)
         with torch.inference_mode(False), cyclic_gc_paused():
-            arguments = explained_arguments(inputs, additional_forward_args)
-            compiled = self.compiled is not None and self.session_class is Session
+            arguments = explained_arguments(inputs, additional_forward_args, attached=create_graph)
+            compiled = self.compiled is not None and self.session_class is Session and not create_graph
             if compiled:  # as one program, where it runs so
                 assert self.compiled is not None
                 found = self.compiled.whole(self.model, *arguments, self.composite, target,
@@ -261,11 +283,12 @@ class LRP(Attribution):
                     result = relevance[0] if isinstance(inputs, Tensor) else relevance
                     return result if whole is None else (result, convergence_delta(whole, relevance))
                 compiled = self.compiled.records  # a recorded pass through the forward program, or interception
-            explained = self._record(*arguments, None, None, False, compiled)
-            seed = output_relevance(explained.logits, target)
+            explained = (self._differentiable(*arguments, reusable=False) if create_graph
+                         else self._record(*arguments, None, None, False, compiled))
+            seed = output_relevance(explained.logits, target, attached=create_graph)
             # the seed's total per example, before the pass may take the seed over
             total = seed.reshape(seed.shape[0] if seed.dim() else 1, -1).sum(1) if return_convergence_delta else None
-            relevance = explained.propagate(seed, owned=True)
+            relevance = explained.propagate(seed, owned=True, create_graph=create_graph)
         result = relevance[0] if isinstance(inputs, Tensor) else relevance
         if total is None:
             return result
@@ -280,8 +303,4 @@ class LRP(Attribution):
         return convergence_delta(output, attributions)
 
 
-#: why ``create_graph=True`` is refused: the rules run on detached copies of the inputs and the parameters, and
-#: their kernels write into shared memory, which autograd cannot record (docs/guide/training.md)
-NOT_DIFFERENTIABLE = ("relprop: relevance differentiable in the parameters and inputs (create_graph=True) is not "
-                      "available in this version; differentiate Gradient x Input or the input gradient instead")
 

@@ -129,8 +129,11 @@ class Compiled:
         One of :data:`COMPILERS`.
     """
 
+    #: the compilers it takes (:data:`COMPILERS`)
+    compilers: tuple[str, ...] = COMPILERS
+
     def __init__(self, model: nn.Module, composite: Any, compiler: str = "inductor"):
-        if compiler not in COMPILERS:
+        if compiler not in self.compilers:
             raise ValueError(f"relprop: compile must be True, False or one of {', '.join(COMPILERS)}; got {compiler!r}")
         self.model, self.composite, self.compiler = model, composite, compiler
         self._explained = Explained(model)
@@ -194,10 +197,14 @@ class Compiled:
         self.fallback = reason
         if reason is None:
             return output[0], probes
+        self._fell_back(reason)
+        return None
+
+    def _fell_back(self, reason: str) -> None:
+        """Warned once per reason: the call runs under interception."""
         if reason not in self._warned:
             self._warned.add(reason)
             warn_caller(f"relprop: compile=True fell back to interception: {reason}", CompileFallbackWarning)
-        return None
 
     def whole(self, model: nn.Module, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any],
                   composite: Any, target: Any, totals: bool = False
@@ -231,9 +238,7 @@ class Compiled:
             self._local.records = False  # the forward program took the same decisions: interception
         self.fallback = self.split
         if self.split is not None:
-            if self.split not in self._warned:
-                self._warned.add(self.split)
-                warn_caller(f"relprop: compile=True fell back to interception: {self.split}", CompileFallbackWarning)
+            self._fell_back(self.split)
             return None
         logits, relevance, lost, _, total = found
         checked_columns(tuple(index.tolist() for index in selection), logits.shape, target)  # raises where out of range
@@ -274,7 +279,7 @@ class Compiled:
             mark_dynamic((*leaves, *probes, *extra, *keywords.values()), self.dynamic)
         # in eval mode, as interception explains it (Dynamo guards the flags)
         with evaluation(self.model, "relprop: the model is in training mode; it is explained in eval mode (dropout "
-                        "off, BatchNorm running statistics) and put back afterwards"), frozen(self.model):
+                        "off, BatchNorm running statistics) and put back afterwards"), self._parameters():
             try:
                 output = program(self._explained, leaves, probes, extra, keywords, *whole)
                 reason = None if call.ran else "Dynamo ran the forward pass without the compiled program"
@@ -288,6 +293,10 @@ class Compiled:
                 if self._rules is None:  # tried again when the modules, their rules or the composite change
                     self._rules = RuleState(self.composite, self.model, [])
         return output, reason
+
+    def _parameters(self) -> AbstractContextManager:
+        """What the parameters are while the program runs: frozen, as relevance needs no gradient of theirs."""
+        return frozen(self.model)
 
     def backward(self) -> Callable[[], AbstractContextManager]:
         """The context of the backward passes of the pass that this thread's last call recorded: :meth:`settings`

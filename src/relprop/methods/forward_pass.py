@@ -28,7 +28,7 @@ class ForwardPass:
 
     def __init__(self, inputs: tuple[Tensor, ...], logits: Tensor, embeddings: dict[int, list[Tensor]],
                  reusable: bool = False, session: Session | None = None, gradient_form: bool = False,
-                 backward: Callable[[], AbstractContextManager] = nullcontext):
+                 backward: Callable[[], AbstractContextManager] = nullcontext, differentiable: bool = False):
         self.inputs = inputs
         self.logits = logits
         #: whether the pass carries relevance per unit of activation (``Session(gradient_form=True)``)
@@ -39,6 +39,8 @@ class ForwardPass:
         #: the session that recorded the pass, if its guard checks the relevance's account (Session.check_pass)
         self._session = session
         self._backward = backward  # the context of its backward passes
+        #: whether its relevance is a function of the parameters and inputs (:mod:`relprop.methods.differentiable`)
+        self.differentiable = differentiable
 
     @eager
     def relevance(self, seed: Tensor) -> tuple[Tensor, ...]:
@@ -48,7 +50,8 @@ class ForwardPass:
     def propagate(self, seed: Tensor, owned: bool = False, create_graph: bool = False) -> tuple[Tensor, ...]:
         """:meth:`relevance`; ``owned``: the seed is the caller's to overwrite (in gradient form it is, with its
         value per unit of the logits); ``create_graph``: record the backward pass, so that the relevance can be
-        differentiated with respect to a seed that requires grad (it is linear in the seed)."""
+        differentiated with respect to a seed that requires grad (it is linear in the seed), and on a pass recorded
+        with ``create_graph=True`` with respect to the parameters and inputs too."""
         explained = [x for x in self.inputs if x.requires_grad]
         embedded = [leaf for leaves in self._embeddings.values() for leaf in leaves]
         if (explained or embedded) and not self.logits.requires_grad:
@@ -61,10 +64,14 @@ class ForwardPass:
             session.defer_check()  # checked below with the seed and the inputs' relevance, in one read
         with self._backward():
             found = (torch.autograd.grad(self.logits, explained + embedded, self._carried(seed, owned),
-                                         allow_unused=True, retain_graph=self.reusable, create_graph=create_graph)
+                                         allow_unused=True,
+                                         retain_graph=self.reusable or (create_graph and self.differentiable),
+                                         create_graph=create_graph)
                      if explained or embedded else ())
         if self.gradient_form:  # per unit of each leaf: its relevance is the leaf times that
-            found = tuple(None if g is None else g * leaf.detach() for g, leaf in zip(found, explained + embedded))
+            attached = self.differentiable and create_graph
+            found = tuple(None if g is None else g * (leaf if attached else leaf.detach())
+                          for g, leaf in zip(found, explained + embedded))
         if session is not None and (explained or embedded):
             session.check_pass(seed, [g for g in found if g is not None])
         grads = iter(found)
@@ -82,7 +89,8 @@ class ForwardPass:
         """
         if not self.gradient_form:
             return seed
-        logits = self.logits.detach()
+        # a differentiable pass: per unit of the logits as the parameters make them, written into nothing autograd saved
+        logits, owned = (self.logits, False) if self.differentiable else (self.logits.detach(), owned)
         if seed.dtype != logits.dtype or not seed.is_contiguous():
             seed, owned = seed.to(logits.dtype, memory_format=torch.contiguous_format), True
         rows = held_rows(seed)
@@ -94,7 +102,8 @@ class ForwardPass:
             flat, at = seed.view(-1, width), logits.reshape(-1, width)[rows]
             held = flat[rows]
             lost = ((at == 0) & (held != 0)).any()
-            carried = (flat if owned else torch.zeros_like(flat)).index_copy_(0, rows, per_unit(held, at, owned=True))
+            carried = (flat if owned else torch.zeros_like(flat)).index_copy_(
+                0, rows, per_unit(held, at, owned=not self.differentiable))
         if lost:
             warn_caller(LOST_SEED, ConservationWarning)
         return carried.view_as(self.logits)

@@ -152,8 +152,10 @@ def target_mask(output: Tensor, target: Target) -> Tensor:
         every: tuple[slice | int, ...] = (slice(None), *(column[0] for column in columns))
         mask[every] = True
         return mask
-    for example in range(output.shape[0]):  # one per example: the indices of each row
-        mask[(example, *(column[example if len(column) > 1 else 0] for column in columns))] = True
+    batch = output.shape[0]  # one per example: the indices of each row, in one write
+    rows = torch.arange(batch, device=output.device)
+    mask[(rows, *(torch.tensor(column * (batch if len(column) == 1 else 1), device=output.device)
+                  for column in columns))] = True
     return mask
 
 
@@ -218,22 +220,25 @@ class Contrastive:
         return f"Contrastive({self.target!r})"
 
 
-def output_relevance(output: Tensor, target: Target) -> Tensor:
+def output_relevance(output: Tensor, target: Target, attached: bool = False) -> Tensor:
     """The relevance seeded at the output: ``output`` where ``target`` selects, 0 elsewhere.
 
     See :func:`~relprop.methods.target_mask` for ``target``. A floating-point tensor of the
     output's shape is taken as the output relevance itself; a
-    :class:`Contrastive` target explains the target against the others.
+    :class:`Contrastive` target explains the target against the others. ``attached``: the seed is a function of
+    ``output`` for autograd (a differentiable relevance: the selected output is what is explained, not a constant
+    of its value); else detached.
     """
     if isinstance(target, Contrastive):
-        return target.relevance(output.detach())
+        return target.relevance(output if attached else output.detach())
     if isinstance(target, Tensor) and target.is_floating_point():
         if target.shape != output.shape:
             raise ValueError(f"relprop: output relevance of shape {tuple(target.shape)} does not match the model "
                              f"output of shape {tuple(output.shape)}")
-        return target.to(output.dtype).detach()
-    value = output.detach()
-    return torch.where(target_mask(value, target), value, torch.zeros((), dtype=value.dtype, device=value.device))
+        return target.to(output.dtype) if attached else target.to(output.dtype).detach()
+    value = output if attached else output.detach()
+    return torch.where(target_mask(value.detach(), target), value,
+                       torch.zeros((), dtype=value.dtype, device=value.device))
 
 
 def convergence_delta(seed: Tensor, relevance: Tensor | Sequence[Tensor | None] | None) -> Tensor:

@@ -25,17 +25,19 @@ direction keeps the relevance of its own half. Initial states passed as model
 inputs get relevance too."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from relprop._core.registry import HANDLERS, Handler
 from relprop.engine.nodes import substitute
 
-__all__ = ["RECURRENT_HANDLERS", "recurrent_arguments", "explain_recurrent", "explain_cell"]
+__all__ = ["RECURRENT_HANDLERS", "recurrent_arguments", "explain_recurrent", "explain_cell", "unrolled_layers"]
 
 #: the state of a layer-direction: ``(h, c)`` for an LSTM, ``h`` otherwise
 State = Any
@@ -198,6 +200,56 @@ def _cell(kind: str) -> Handler:
         x, hx, *weights = args
         return explain_cell(session, kind, func(*args, **kwargs), x, hx, weights)
     return handle
+
+
+#: ``nn.RNNBase.mode`` -> the cell it runs
+_KINDS = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
+
+
+def _unrolled_forward(module: nn.RNNBase) -> Callable[..., Any]:
+    """``module``'s forward on a padded batch, unrolled into the ops interception explains the layer by; any other
+    input (a packed sequence, an unbatched one) through the layer's own forward."""
+    kind = _KINDS[module.mode]
+
+    def forward(input: Any, hx: Any = None) -> Any:
+        if not isinstance(input, Tensor) or input.dim() != 3:
+            return type(module).forward(module, input, hx)
+        directions = 2 if module.bidirectional else 1
+        batch = input.shape[0 if module.batch_first else 1]
+        if hx is None:
+            size = module.proj_size if getattr(module, "proj_size", 0) > 0 else module.hidden_size
+            h = input.new_zeros(module.num_layers * directions, batch, size)
+            cell = input.new_zeros(module.num_layers * directions, batch, module.hidden_size)
+            hx = (h, cell) if kind == "lstm" else h
+        steps = list((input.transpose(0, 1) if module.batch_first else input).unbind(0))
+        weights = cast(Sequence[Tensor], module._flat_weights)  # a layer without biases lists none
+        outputs, finals = _unrolled(kind, steps, tuple(hx) if kind == "lstm" else hx, weights,
+                                    module.bias, module.num_layers, module.bidirectional)
+        return torch.stack(outputs, 1 if module.batch_first else 0), finals
+    return forward
+
+
+#: each recurrent layer's unrolled forward, one object per layer (a traced program guards it by identity)
+_FORWARDS: weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]] = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def unrolled_layers(model: nn.Module) -> Iterator[None]:
+    """Inside the block each recurrent layer of ``model`` (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) runs unrolled, so
+    that a traced program holds its ops one by one, each with its rule, as interception explains them (its value
+    the unrolled computation's, equal to the fused kernel's to rounding); its forward as it was after the block,
+    also when an exception flies. A layer whose forward was replaced already is left as it is."""
+    layers = [module for module in model.modules()
+              if isinstance(module, nn.RNNBase) and module.mode in _KINDS and "forward" not in vars(module)]
+    try:
+        for module in layers:
+            if module not in _FORWARDS:
+                _FORWARDS[module] = _unrolled_forward(module)
+            module.forward = _FORWARDS[module]
+        yield
+    finally:
+        for module in layers:
+            vars(module).pop("forward", None)
 
 
 RECURRENT_HANDLERS = {

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from relprop._core.held import held
 from relprop._core.kinds import OpKind
 from relprop._core.registry import Handler, lookup, op_name, register, torch_and_tensor
 from relprop._core.signatures import bind, bind_builtin
@@ -126,7 +127,7 @@ def _layer_norm(input: Tensor, normalized_shape: Sequence[int], weight: Tensor |
     """Layer norm with the standard deviation held constant; the mean subtraction stays linear."""
     dims = tuple(range(-len(normalized_shape), 0))
     centred = input - input.mean(dims, keepdim=True)
-    std = torch.sqrt(_variance(centred.detach(), dims) + eps)
+    std = torch.sqrt(_variance(held(centred), dims) + eps)
     out = centred / std
     if weight is not None:
         out = out * weight
@@ -138,7 +139,7 @@ def _group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bi
     """Group norm with the standard deviation held constant."""
     grouped = input.reshape(input.shape[0], num_groups, -1)
     centred = grouped - grouped.mean(-1, keepdim=True)
-    std = torch.sqrt(_variance(centred.detach(), (-1,)) + eps)
+    std = torch.sqrt(_variance(held(centred), (-1,)) + eps)
     out = (centred / std).reshape(input.shape)
     shape = (1, -1) + (1,) * (input.dim() - 2)
     if weight is not None:
@@ -151,7 +152,7 @@ def _rms_norm(input: Tensor, normalized_shape: Sequence[int], weight: Tensor | N
     """RMS norm with the root mean square held constant."""
     dims = tuple(range(-len(normalized_shape), 0))
     eps = torch.finfo(input.dtype).eps if eps is None else eps
-    out = input * torch.rsqrt(input.detach().pow(2).mean(dims, keepdim=True) + eps)
+    out = input * torch.rsqrt(held(input).pow(2).mean(dims, keepdim=True) + eps)
     return out * weight if weight is not None else out
 
 

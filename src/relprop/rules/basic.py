@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from relprop._core.contract import ParametricView
+from relprop._core.held import held
 from relprop._core.rule import Rule, Scaled
 from relprop.rules.epsilon import PARAMETRIC_KINDS
 from relprop.rules.kernels import Kernel, fused
@@ -174,14 +175,14 @@ class BasicRule(Rule[ParametricView]):
             if nonnegative and term.input is _negative and term_bias is None:
                 outputs.append(None)
                 continue
-            modified = term.input(x) if probe is None else term.input(x.detach()) * probe
+            modified = term.input(x) if probe is None else term.input(held(x)) * probe
             outputs.append(evaluate(modified, term.param(weight), term_bias))
-        held = [torch.zeros_like(z) if out is None else out.detach() for out in outputs]
-        shares = self._gradient_mapper(torch.ones_like(z), held, z)
+        constant = [torch.zeros_like(z) if out is None else held(out) for out in outputs]
+        shares = self._gradient_mapper(torch.ones_like(z), constant, z)
         total = torch.zeros_like(z)
         for out, share in zip(outputs, shares):
             if out is not None:
-                total = total + out * (z * share).detach()
+                total = total + out * held(z * share)
         return total
 
     def _output(self, call: ParametricView) -> Tensor | None:

@@ -68,7 +68,7 @@ def beta_smoothed(model: nn.Module, beta: float) -> nn.Module:
     for parent in list(smoothed.modules()):
         for name, child in parent.named_children():
             if isinstance(child, nn.ReLU):
-                setattr(parent, name, nn.Softplus(beta=beta))
+                setattr(parent, name, nn.Softplus(beta=beta).train(child.training))  # a new module trains
     return smoothed
 
 
@@ -91,10 +91,7 @@ def _lrp(composite: Composite | str) -> Explainer:
         lrp = made[id(model)]
         if not create_graph:
             return lrp.attribute(x.detach(), target=target).detach()
-        try:
-            return lrp.attribute(x, target=target, create_graph=True)
-        except NotImplementedError as error:
-            raise NotImplementedError(f"{error}; manipulate with composite='gradient-x-input'") from error
+        return lrp.attribute(x, target=target, create_graph=True)
     return relevance
 
 
