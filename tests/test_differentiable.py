@@ -225,6 +225,45 @@ def test_the_derivative_at_a_relu_kink_is_the_inactive_side():
     torch.testing.assert_close(found, expected, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("name, step, tolerance", [("bert", STEP, 1e-5), ("llama", 1e-3, 2e-3)])
+def test_hugging_face_transformers_differentiate_in_their_parameters(name, step, tolerance, attention):
+    """Token ids: the relevance of their embeddings (summed per token), differentiated in each parameter. Llama
+    computes its RMSNorm and rotary embeddings in float32 inside a float64 model, so its differences take a larger
+    step."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32)
+    if name == "bert":
+        config, model_class, target = transformers.BertConfig(**common), transformers.BertForSequenceClassification, 1
+    else:
+        config = transformers.LlamaConfig(**common, num_key_value_heads=2)
+        model_class, target = transformers.LlamaForCausalLM, (-1, 5)
+    config._attn_implementation = attention
+    torch.manual_seed(0)
+    model = model_class(config).to(D).eval()
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    lrp = relprop.LRP(model, "attnlrp")
+    relevance = lrp.attribute(ids, target=target, create_graph=True)
+    torch.testing.assert_close(relevance.detach(), lrp.attribute(ids, target=target), rtol=1e-10, atol=1e-13)
+    weights = torch.randn(relevance.shape, dtype=D, generator=torch.Generator().manual_seed(2))
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    found = torch.autograd.grad((relevance * weights).sum(), parameters, allow_unused=True)
+    generator = torch.Generator().manual_seed(3)
+    for grad, parameter in zip(found, parameters):
+        direction = torch.randn(parameter.shape, dtype=D, generator=generator)
+        original, totals = parameter.detach().clone(), []
+        for change in (step, -step, 2 * step, -2 * step):
+            with torch.no_grad():
+                parameter.copy_(original + change * direction)
+            totals.append((lrp.attribute(ids, target=target) * weights).sum().item())
+        with torch.no_grad():
+            parameter.copy_(original)
+        # the five-point stencil: its error is of order step^4, where the float32 steps call for a large step
+        expected = (8 * (totals[0] - totals[1]) - (totals[2] - totals[3])) / (12 * step)
+        got = 0.0 if grad is None else (grad * direction).sum().item()
+        assert abs(got - expected) <= tolerance * max(abs(expected), 1e-2), (tuple(parameter.shape), got, expected)
+
+
 class Recurrent(nn.Module):
     """A recurrent layer (its last step's output) and a dense head."""
 
