@@ -123,7 +123,7 @@ def figure(shown: dict[str, Manipulation], path: Path) -> None:
     grid.suptitle("Heatmap manipulation (Dombrowski et al. 2019) on the MNIST CNN, first test digit\n"
                   "per explainer and setting; heatmaps red for the class, blue against, each on its own scale",
                   fontsize=8)
-    grid.tight_layout()
+    grid.tight_layout(rect=(0, 0, 1, 1 - 0.45 / grid.get_figheight()))  # room for the title
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.savefig(path, dpi=80)
     print(f"figure: {path}")
