@@ -301,6 +301,3 @@ class LRP(Attribution):
         or the whole output relevance (batch first).
         """
         return convergence_delta(output, attributions)
-
-
-

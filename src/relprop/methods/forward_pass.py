@@ -89,10 +89,11 @@ class ForwardPass:
         """
         if not self.gradient_form:
             return seed
-        # a differentiable pass: per unit of the logits as the parameters make them, written into nothing autograd saved
+        # a differentiable pass: per unit of the logits as the parameters make them, written into nothing that
+        # autograd saved
         logits, owned = (self.logits, False) if self.differentiable else (self.logits.detach(), owned)
         if seed.dtype != logits.dtype or not seed.is_contiguous():
-            seed, owned = seed.to(logits.dtype, memory_format=torch.contiguous_format), True
+            seed, owned = seed.to(logits.dtype, memory_format=torch.contiguous_format), not self.differentiable
         rows = held_rows(seed)
         if rows is None:
             lost = ((logits == 0) & (seed != 0)).any()
