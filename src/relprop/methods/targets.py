@@ -98,6 +98,8 @@ def target_columns(target: Target) -> tuple[list[int], ...] | None:
     if not isinstance(target, (list, Tensor)):
         raise TypeError(f"relprop: target must be None, an int, a tuple, a list or a tensor, "
                         f"got {type(target).__name__}")
+    if isinstance(target, Tensor) and target.dtype != torch.bool and len(target):
+        return (target.tolist(),)  # integers, one per example (a training loop's labels): no entry to check
     rows = [item if isinstance(item, tuple) else (item,) for item in (target.tolist() if isinstance(target, Tensor)
                                                                       else target)]
     if not rows:
