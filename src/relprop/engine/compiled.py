@@ -35,8 +35,7 @@ def _scaled_by(share: float, x: Tensor) -> Tensor:
         return x
     if share == 0:
         return held(x)
-    scaled = x * share
-    return held(x) + (scaled - held(scaled))
+    return _substitute(x, x * share)
 
 
 class Form:
