@@ -30,6 +30,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,17 +41,20 @@ import relprop
 from relprop.workflows.decoy import DecoyMNIST, decoy_mnist
 from relprop.workflows.guided import GRADIENT, Penalty
 
-#: the explainers a penalty can use, by the name the table gives them; the weight each takes by default
-EXPLAINERS: dict[str, tuple[relprop.Composite | str, float]] = {
-    "RRR": (GRADIENT, 10.0),
-    "LRP epsilon": ("epsilon", 10.0),
+#: the explainers a penalty can use, by the name the table gives them; the weight each takes by default, and
+#: further arguments of its relprop.LRP
+EXPLAINERS: dict[str, tuple[relprop.Composite | str, float, dict[str, Any]]] = {
+    "RRR": (GRADIENT, 10.0, {}),
+    "LRP epsilon": ("epsilon", 10.0, {}),
+    # the same penalty with the relevance and its derivative one Inductor program
+    "LRP epsilon, compiled": ("epsilon", 10.0, {"compile": True}),
     # AttnLRP's preset: LRP-0 on the MLP's dense layers (its rules for attention and norms find none here)
-    "LRP attnlrp": ("attnlrp", 10.0),
+    "LRP attnlrp": ("attnlrp", 10.0, {}),
     # epsilon-gamma-box's first-layer rule (ZBox, bounded by the pixels' range [0, 1]) on the MLP's first layer:
     # its presets differ from epsilon on an MLP only by the first layer, and epsilon-plus-flat's Flat gives every
     # pixel the same share there. ZBox gives the swatch's pixels relevance of their bounds whatever their shade,
     # so its penalty needs a larger weight
-    "LRP zbox-epsilon": (relprop.Composite(1e-6, first={"dense": relprop.rules.ZBox(0.0, 1.0)}), 100.0),
+    "LRP zbox-epsilon": (relprop.Composite(1e-6, first={"dense": relprop.rules.ZBox(0.0, 1.0)}), 100.0, {}),
 }
 
 
@@ -61,11 +65,13 @@ def mlp(seed: int) -> nn.Module:
 
 
 def train(images: Tensor, labels: Tensor, masks: Tensor, seed: int, epochs: int,
-          explainer: relprop.Composite | str | None = None, weight: float = 0.0) -> tuple[nn.Module, float]:
-    """The MLP trained on ``images`` (with the penalty of ``explainer`` on ``masks`` if given); seconds per step."""
+          explainer: relprop.Composite | str | None = None, weight: float = 0.0, **options: Any
+          ) -> tuple[nn.Module, float]:
+    """The MLP trained on ``images`` (with the penalty of ``explainer`` on ``masks`` if given, ``options`` its
+    relprop.LRP's); seconds per step."""
     model = mlp(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    penalty = Penalty(model, explainer) if explainer is not None else None
+    penalty = Penalty(model, explainer, **options) if explainer is not None else None
     generator = torch.Generator().manual_seed(seed)
     steps, start = 0, time.perf_counter()
     for _ in range(epochs):
@@ -99,10 +105,10 @@ def ways(weights: dict[str, float]) -> dict[str, Callable[[DecoyMNIST, int, int]
         "no decoy (ceiling)": lambda d, s, e: train(d.clean_train_images, d.train_labels, d.train_masks, s, e),
         "plain": lambda d, s, e: train(d.train_images, d.train_labels, d.train_masks, s, e),
     }
-    for name, (explainer, _) in EXPLAINERS.items():
+    for name, (explainer, _, options) in EXPLAINERS.items():
         found[f"{name} (weight {weights[name]:g})"] = (
-            lambda d, s, e, x=explainer, w=weights[name]: train(d.train_images, d.train_labels, d.train_masks, s, e,
-                                                                 x, w))
+            lambda d, s, e, x=explainer, w=weights[name], o=options: train(d.train_images, d.train_labels,
+                                                                           d.train_masks, s, e, x, w, **o))
     return found
 
 
@@ -151,11 +157,13 @@ def heatmaps(models: dict[str, nn.Module], data: DecoyMNIST, folder: Path) -> No
 
 
 def cost(rounds: int) -> None:
-    """Median times of one batch of 64: attribution, differentiable attribution + backward, RRR, a plain step."""
+    """Median times of one batch of 64: attribution, differentiable attribution + backward (eager and compiled),
+    RRR, a plain step."""
     data = decoy_mnist(0)
     images, labels, masks = data.train_images[:64], data.train_labels[:64], data.train_masks[:64]
     model = mlp(0)
     lrp, explained, rrr = relprop.LRP(model, "epsilon"), Penalty(model, "epsilon"), Penalty(model, GRADIENT)
+    one_program = Penalty(model, "epsilon", compile=True)
 
     def plain_step() -> None:
         F.cross_entropy(model(images), labels).backward()
@@ -163,11 +171,15 @@ def cost(rounds: int) -> None:
     def differentiable() -> None:
         explained(images, masks, labels).mean().backward()
 
+    def compiled() -> None:
+        one_program(images, masks, labels).mean().backward()
+
     def double_backward() -> None:
         rrr(images, masks).mean().backward()
 
     found = interleaved({"attribution (lrp.attribute)": lambda: lrp.attribute(images, labels),
                          "differentiable attribution + backward of its penalty": differentiable,
+                         "the same, compile=True (one Inductor program)": compiled,
                          "RRR: input gradient + backward of its penalty (double backward)": double_backward,
                          "plain training step's forward and backward": plain_step}, rounds, "cpu")
     base = found["attribution (lrp.attribute)"]
@@ -191,7 +203,7 @@ def main() -> None:
     if options.cost:
         cost(options.rounds)
         return
-    weights = {name: default for name, (_, default) in EXPLAINERS.items()}
+    weights = {name: default for name, (_, default, _) in EXPLAINERS.items()}
     weights.update({name: float(value) for name, value in options.weight})
     table(options.seeds, options.epochs, weights, options.figure, options.only)
 

@@ -171,12 +171,56 @@ def test_attention_norms_and_products_differentiate(composite, norm, fused):
     check(model, composite, torch.randn(2, 5, 6, dtype=D, generator=torch.Generator().manual_seed(1)), 1)
 
 
-def test_the_compiled_tier_differentiates_as_interception():
-    x = torch.randn(2, 2, 8, 8, dtype=D, generator=torch.Generator().manual_seed(1))
-    model = conv_net()
-    found = check(model, "epsilon-plus-flat", x, 0, compile="aot_eager")
-    eager = relprop.LRP(model, "epsilon-plus-flat").attribute(x, target=0, create_graph=True)
-    torch.testing.assert_close(found, eager, rtol=0, atol=0)
+COMPILED_CASES = {
+    "conv-epsilon-plus-flat-aot_eager": (conv_net, "epsilon-plus-flat", (2, 2, 8, 8), "aot_eager"),
+    "attention-attnlrp-aot_eager": (lambda: Block(True, nn.LayerNorm), "attnlrp", (2, 5, 6), "aot_eager"),
+    "lstm-epsilon-aot_eager": (lambda: Recurrent("LSTM"), "epsilon", (2, 4, 3), "aot_eager"),
+    "mlp-epsilon-gamma-box-inductor": (mlp, MLP_COMPOSITES["epsilon-gamma-box (Gamma, ZBox)"], (4, 5), "inductor"),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPILED_CASES))
+def test_the_compiled_tier_differentiates_as_interception_in_one_program(name):
+    """Under compile=, the relevance pass is traced into one program (AOT autograd has no double backward, but
+    the program's single backward pass is the derivative): its relevance and derivative are the eager
+    program's, and the second call reuses it."""
+    make, composite, shape, compiler = COMPILED_CASES[name]
+    torch.manual_seed(0)
+    model = make().to(D).eval()
+    parameters = list(model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    x, weights = (torch.randn(shape, dtype=D, generator=generator) for _ in range(2))
+
+    def derivative(lrp):
+        leaf = x.clone().requires_grad_(True)
+        relevance = lrp.attribute(leaf, target=0, create_graph=True)
+        found = torch.autograd.grad((relevance * weights).sum(), [leaf, *parameters], allow_unused=True,
+                                    materialize_grads=True)
+        return [relevance.detach(), *found]
+    expected = derivative(relprop.LRP(model, composite))
+    compiled = relprop.LRP(model, composite, compile=compiler)
+    for _ in range(2):
+        found = derivative(compiled)
+        assert compiled._program.split is None and compiled._program.compilations == 1
+        for got, want in zip(found, expected):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_a_target_that_is_not_indices_takes_the_recorded_pass_under_compile():
+    """A Contrastive target cannot run as the whole program: the compiled explainer records a pass (Dynamo's
+    graph run as it is) and differentiates it, as without compile=."""
+    model = mlp()
+    x = torch.randn(4, 5, dtype=D, generator=torch.Generator().manual_seed(1))
+    target = relprop.Contrastive(1)
+
+    def derivative(lrp):
+        relevance = lrp.attribute(x, target=target, create_graph=True)
+        return [relevance.detach(), *torch.autograd.grad(relevance.square().sum(), list(model.parameters()))]
+    compiled = relprop.LRP(model, "epsilon", compile="aot_eager")
+    found = derivative(compiled)
+    assert compiled._program.split is not None and compiled._program.fallback is None
+    for got, want in zip(found, derivative(relprop.LRP(model, "epsilon"))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_a_recorded_pass_differentiates_any_seed():

@@ -14,14 +14,14 @@ quantities are functions of the parameters and inputs like any other.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["Holding", "held", "holding"]
+__all__ = ["Holding", "held", "holding", "relevance_grad"]
 
 
 class Holding:
@@ -76,3 +76,13 @@ def held(x: Tensor) -> Tensor:
     if pass_ is None or not x.requires_grad:
         return x.detach()
     return _Held.apply(x, pass_)
+
+
+def relevance_grad(*args: Any, **kwargs: Any) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad(*args, **kwargs)`` as the relevance pass of the pass that :func:`holding` set (what it
+    holds gets no gradient in it). Where a program is traced with that pass inside it (AOT autograd, Inductor),
+    the trace keeps the held quantities' zero gradient in the relevance and their identity's in the derivative
+    that differentiates the program."""
+    pass_ = _ACTIVE.get()
+    with pass_.relevance_pass() if pass_ is not None else nullcontext():
+        return torch.autograd.grad(*args, **kwargs)

@@ -182,13 +182,18 @@ class LRP(Attribution):
     def _differentiable(self, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any],
                         reusable: bool) -> ForwardPass:
         """A pass whose relevance is differentiable (:mod:`relprop.methods.differentiable`)."""
+        return self._differentiable_program().record(self.model, leaves, extra, keywords, self.composite, reusable,
+                                                     self.strict, self.guard)
+
+    def _differentiable_program(self) -> Differentiable:
+        """The program of a differentiable relevance (made at the first call), compiled as the compiled tier's."""
         if self.session_class is not Session:
             raise NotImplementedError(f"relprop: {type(self).__name__} has no differentiable relevance "
                                       "(create_graph=True): it reads ops that LRP's program does not write")
         if self._program is None:
-            self._program = Differentiable(self.model, self.composite)
-        return self._program.record(self.model, leaves, extra, keywords, self.composite, reusable, self.strict,
-                                    self.guard)
+            self._program = Differentiable(self.model, self.composite,
+                                           "eager" if self.compiled is None else self.compiled.compiler)
+        return self._program
 
     def _record(self, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any], taps: Any, audit: Any,
                 reusable: bool, compiled: bool) -> ForwardPass:
@@ -273,11 +278,11 @@ class LRP(Attribution):
         """
         with torch.inference_mode(False), cyclic_gc_paused():
             arguments = explained_arguments(inputs, additional_forward_args, attached=create_graph)
-            compiled = self.compiled is not None and self.session_class is Session and not create_graph
+            compiled = self.compiled is not None and self.session_class is Session
             if compiled:  # as one program, where it runs so
                 assert self.compiled is not None
-                found = self.compiled.whole(self.model, *arguments, self.composite, target,
-                                                return_convergence_delta)
+                program = self._differentiable_program() if create_graph else self.compiled
+                found = program.whole(self.model, *arguments, self.composite, target, return_convergence_delta)
                 if found is not None:
                     relevance, whole = found
                     result = relevance[0] if isinstance(inputs, Tensor) else relevance

@@ -131,6 +131,9 @@ class Compiled:
 
     #: the compilers it takes (:data:`COMPILERS`)
     compilers: tuple[str, ...] = COMPILERS
+    #: ``torch.compile``'s ``dynamic``: None, Dynamo's default (a size that changes is traced dynamic from then
+    #: on); False, a program of its own for each size
+    compile_dynamic: bool | None = None
 
     def __init__(self, model: nn.Module, composite: Any, compiler: str = "inductor"):
         if compiler not in self.compilers:
@@ -144,7 +147,8 @@ class Compiled:
         backend, number = functools.partial(_backend, weakref.ref(self)), next(_PROGRAMS)
         self._program, self._whole = (
             torch.compile(types.FunctionType(program.__code__.replace(co_name=f"relprop_{kind}_{number}"),
-                                             program.__globals__), backend=backend, fullgraph=True)
+                                             program.__globals__), backend=backend, fullgraph=True,
+                          dynamic=self.compile_dynamic)
             for kind in ("program", "attribution"))
         self._rules: RuleState | None = None  # of every graph compiled since the last change
         self._changed: dict[str, str] = {}  # by program: what changed since it last compiled
@@ -207,7 +211,7 @@ class Compiled:
             warn_caller(f"relprop: compile=True fell back to interception: {reason}", CompileFallbackWarning)
 
     def whole(self, model: nn.Module, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any],
-                  composite: Any, target: Any, totals: bool = False
+                  composite: Any, target: Any, totals: bool = False, create_graph: bool = False
                   ) -> tuple[tuple[Tensor, ...], Tensor | None] | None:
         """The whole attribution as one program (:func:`~relprop.methods.compiled_program.attribution`: the forward pass, the seed, the backward
         pass and the products with the inputs, which Inductor compiles together): each input's relevance, and
@@ -215,7 +219,8 @@ class Compiled:
         target that selects otherwise, such as a :class:`~relprop.methods.Contrastive`; a program that does not
         compile): the caller then records a pass, which runs compiled as a forward and a backward program where
         it can, or, where :attr:`records` is False (a relevance that is not finite), under interception. The target is checked against the logits
-        (:func:`~relprop.methods.targets.checked_columns`) after the program ran."""
+        (:func:`~relprop.methods.targets.checked_columns`) after the program ran. ``create_graph``: the relevance
+        differentiable (:class:`~relprop.methods.differentiable.Differentiable`)."""
         selection = target_indices(target)
         self._local.records = True
         if selection is None:
@@ -224,12 +229,13 @@ class Compiled:
         reason = self._refresh(composite, model)
         probes = probes_of(leaves)
         signature = pass_signature(leaves, extra, keywords, torch.is_grad_enabled(), torch.is_autocast_enabled(),
-                                   self.dynamic, "whole", tuple(index.shape for index in selection), totals)
+                                   self.dynamic, "whole", tuple(index.shape for index in selection), totals,
+                                   create_graph)
         self.split = reason or self._refused.get(signature)
         if self.split is None:
             with _autograd_traced():
                 found, self.split = self._run(self._whole, "whole attribution", signature, leaves, probes, extra,
-                                              keywords, selection, totals)
+                                              keywords, selection, totals, create_graph)
         if self.split is None and not bool(found[3]):
             # not finite: a NaN of the model's, or a decision taken when the program was traced that does not hold
             # for these inputs (attention written out). Interception decides again, and its guard names the op
@@ -374,10 +380,14 @@ class Compiled:
             rules = list({id(rule): rule for rule in (self._rules.rules if self._rules else []) + rules}.values())
             self._rules = RuleState(self.composite, self.model, rules)
         self.compilations += 1
-        with self.settings():  # compiled for backward passes that keep the graph
-            program = torch._dynamo.lookup_backend(self.compiler)(gm, example_inputs)
+        program = self._compile(gm, example_inputs, call.kind)
         say(f"relprop: compiled {what} in {time.perf_counter() - started:.1f} s")
         return _flagged(program, weakref.ref(self))
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], kind: str) -> Any:
+        """The rewritten graph of the program ``kind`` compiled by :attr:`compiler`."""
+        with self.settings():  # compiled for backward passes that keep the graph
+            return torch._dynamo.lookup_backend(self.compiler)(gm, example_inputs)
 
     def _why(self, call: _Call) -> str:
         """Why ``call``'s program compiles: the first call, what decides the rules changed, or a new signature."""

@@ -12,9 +12,12 @@ shares, a norm's statistic) is held only while the relevance is computed, and di
 (:mod:`relprop._core.held`): the derivative is that of the relevance function itself, what finite differences of
 :meth:`~relprop.LRP.attribute` measure, not one with the held quantities taken as constants.
 
-The program runs without AOT autograd, under compile=True too: AOT autograd has no double backward ("torch.compile
-with aot_autograd does not currently support double backward"), so the training step is Dynamo's captured graph
-run eagerly, not one Inductor program. A model that Dynamo cannot capture whole, or an op or rule that has no
+AOT autograd has no double backward ("torch.compile with aot_autograd does not currently support double
+backward"). A recorded pass (:meth:`Differentiable.record`), whose relevance pass and derivative are two backward
+passes of one graph, runs Dynamo's graph as it is. A whole attribution under ``compile=``
+(:meth:`Differentiable.whole`) is compiled with the relevance pass traced into the program
+(:func:`~relprop._core.held.relevance_grad`): AOT autograd traces it while the held quantities get no gradient,
+and the program's own backward pass afterwards, so that a training step is one program. A model that Dynamo cannot capture whole, or an op or rule that has no
 gradient form, raises :class:`~relprop.UnsupportedOpError` with the reason: interception has no differentiable form
 to fall back to. Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) run unrolled into the ops interception
 explains them by (:func:`~relprop.ops.recurrent.unrolled_layers`). Fused attention
@@ -23,16 +26,18 @@ explains them by (:func:`~relprop.ops.recurrent.unrolled_layers`). Fused attenti
 from __future__ import annotations
 
 import threading
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, cast
 
-from torch import Tensor, nn
+import torch
+from torch import Tensor, fx, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from relprop._core.errors import UnsupportedOpError
-from relprop._core.held import Holding, holding
+from relprop._core.held import Holding, holding, relevance_grad
 from relprop.engine.session import Session
-from relprop.methods.compiled import Compiled, FiniteCheck
+from relprop.methods.compiled import COMPILERS, Compiled, FiniteCheck
 from relprop.methods.forward_pass import ForwardPass
 from relprop.ops.recurrent import unrolled_layers
 from relprop.methods.targets import model_logits
@@ -47,34 +52,59 @@ _FORWARD = threading.Lock()
 class Differentiable(Compiled):
     """The program of a differentiable relevance for one :class:`~relprop.LRP` (its model and composite).
 
-    A :class:`~relprop.methods.compiled.Compiled` whose graph runs as Dynamo captured it, rewritten (no AOT
-    autograd, which has no double backward), with the parameters requiring grad as the user set them, and whose
-    failures raise instead of falling back.
+    A :class:`~relprop.methods.compiled.Compiled` whose parameters require grad as the user set them, and whose
+    failures raise instead of falling back. A recorded pass (:meth:`record`) runs its graph as Dynamo captured
+    it, rewritten: its relevance is differentiated by a double backward pass, which AOT autograd does not have. A
+    whole attribution (:meth:`whole`) compiles with ``compiler``: the relevance pass is traced into the program,
+    whose one backward pass is the derivative.
+
+    Parameters
+    ----------
+    model : nn.Module
+    composite : Composite
+    compiler : str
+        ``"eager"`` (Dynamo's graph run as it is), or one of :data:`~relprop.methods.compiled.COMPILERS`.
     """
 
-    compilers = ("eager",)
+    compilers = ("eager", *COMPILERS)
+    #: a program of its own per batch size: a training loop has few (a smaller last batch), and a static program
+    #: runs a step of a small model faster than a dynamic one, whose sizes its wrapper computes at every call
+    compile_dynamic = False
 
-    def __init__(self, model: nn.Module, composite: Any):
-        super().__init__(model, composite, "eager")
+    def __init__(self, model: nn.Module, composite: Any, compiler: str = "eager"):
+        super().__init__(model, composite, compiler)
 
     def record(self, model: nn.Module, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any],
                composite: Any, reusable: bool, strict: bool, guard: bool) -> ForwardPass:
         """One forward pass of the program on ``leaves``: its relevance for any seed is differentiable
         (:meth:`~relprop.methods.ForwardPass.propagate` with ``create_graph=True``)."""
         pass_ = Holding()
-        # the math kernel of fused attention: the CPU's flash kernel has no double backward
-        from torch._dynamo import config  # imported already: the program is a torch.compile function
-
-        # Dynamo traces a recurrent layer's forward (allow_rnn) where unrolled_layers wrote it op by op; both
-        # change what every thread sees, so one differentiable forward pass runs at a time
-        with (_FORWARD, holding(pass_), sdpa_kernel(SDPBackend.MATH), unrolled_layers(model),
-              config.patch(allow_rnn=True)):
+        with _differentiable_run(model, pass_):
             found = self.forward(model, leaves, extra, keywords, composite)
         assert found is not None  # _fell_back raised
         output, probes = found
         check = cast(Session, FiniteCheck(strict)) if guard else None
         return ForwardPass(leaves, model_logits(output), {i: [p] for i, p in enumerate(probes)}, reusable, check,
                            True, pass_.relevance_pass, differentiable=True)
+
+    def whole(self, model: nn.Module, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any],
+              composite: Any, target: Any, totals: bool = False, create_graph: bool = True
+              ) -> tuple[tuple[Tensor, ...], Tensor | None] | None:
+        """The differentiable relevance as one program (:meth:`Compiled.whole` with ``create_graph``); None where
+        the target is not indices (:attr:`split` says so): the caller then records a pass."""
+        with _differentiable_run(model, Holding()):
+            return super().whole(model, leaves, extra, keywords, composite, target, totals, create_graph=True)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], kind: str) -> Any:
+        """A recorded pass's graph runs as it is; a whole attribution's relevance pass is traced as the relevance
+        pass of the call's :class:`~relprop._core.held.Holding` (its held quantities get no gradient in it), then
+        compiled by :attr:`compiler`."""
+        if kind == "forward pass":
+            return gm.forward  # as Dynamo's "eager" backend runs it
+        for node in gm.graph.find_nodes(op="call_function", target=torch.autograd.grad):
+            node.target = relevance_grad
+        gm.recompile()
+        return super()._compile(gm, example_inputs, kind)
 
     def _parameters(self) -> AbstractContextManager:
         return nullcontext()  # the relevance is differentiated with respect to them
@@ -83,3 +113,15 @@ class Differentiable(Compiled):
         raise UnsupportedOpError(f"relprop: create_graph=True cannot write this model's relevance as a "
                                  f"differentiable program: {reason}")
 
+
+@contextmanager
+def _differentiable_run(model: nn.Module, pass_: Holding) -> Iterator[None]:
+    """Where a differentiable program runs (and is traced): ``pass_`` holds, fused attention takes its math kernel
+    (the CPU's flash kernel has no double backward), and recurrent layers run unrolled."""
+    from torch._dynamo import config  # imported already: the program is a torch.compile function
+
+    # Dynamo traces a recurrent layer's forward (allow_rnn) where unrolled_layers wrote it op by op; both change
+    # what every thread sees, so one differentiable forward pass runs at a time
+    with (_FORWARD, holding(pass_), sdpa_kernel(SDPBackend.MATH), unrolled_layers(model),
+          config.patch(allow_rnn=True)):
+        yield
