@@ -17,8 +17,8 @@ backward"). A recorded pass (:meth:`Differentiable.record`), whose relevance pas
 passes of one graph, runs Dynamo's graph as it is. A whole attribution under ``compile=``
 (:meth:`Differentiable.whole`) is compiled with the relevance pass traced into the program
 (:func:`~relprop._core.held.relevance_grad`): AOT autograd traces it while the held quantities get no gradient,
-and the program's own backward pass afterwards, so that a training step is one program. A model that Dynamo cannot capture whole, or an op or rule that has no
-gradient form, raises :class:`~relprop.UnsupportedOpError` with the reason: interception has no differentiable form
+and the program's own backward pass afterwards, so that a training step is one program. A model that Dynamo
+cannot capture whole, or an op or rule that has no gradient form, raises :class:`~relprop.UnsupportedOpError` with the reason: interception has no differentiable form
 to fall back to. Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) run unrolled into the ops interception
 explains them by (:func:`~relprop.ops.recurrent.unrolled_layers`). Fused attention
 (``F.scaled_dot_product_attention``) runs its math kernel: PyTorch's flash kernel on the CPU has no double backward.
@@ -101,9 +101,12 @@ class Differentiable(Compiled):
         compiled by :attr:`compiler`."""
         if kind == "forward pass":
             return gm.forward  # as Dynamo's "eager" backend runs it
-        for node in gm.graph.find_nodes(op="call_function", target=torch.autograd.grad):
-            node.target = relevance_grad
-        gm.recompile()
+        # the attribution's own pass is the last (a model may differentiate something in its forward pass, as
+        # model_nodes reads the graph): that one alone is the relevance pass
+        grad = next(reversed(gm.graph.find_nodes(op="call_function", target=torch.autograd.grad)), None)
+        if grad is not None:
+            grad.target = relevance_grad
+            gm.recompile()
         return super()._compile(gm, example_inputs, kind)
 
     def _parameters(self) -> AbstractContextManager:
