@@ -206,6 +206,28 @@ def test_the_compiled_tier_differentiates_as_interception_in_one_program(name):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
+def test_an_input_that_requires_no_grad_gets_no_derivative_in_its_own_program():
+    """A training step's inputs require no grad: the compiled program leaves their derivative out (AOT autograd
+    would compute it). An input that requires grad gets a program of its own, guarded apart, and its derivative;
+    each program is reused when its kind of input comes again."""
+    model = mlp()
+    x = torch.randn(4, 5, dtype=D, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(4, 5, dtype=D, generator=torch.Generator().manual_seed(2))
+
+    def derivative(lrp, attached):
+        leaf = x.clone().requires_grad_(attached)
+        relevance = lrp.attribute(leaf, target=0, create_graph=True)
+        found = torch.autograd.grad((relevance * weights).sum(), [*model.parameters(), *([leaf] if attached else [])])
+        return [relevance.detach(), *found]
+    eager = relprop.LRP(model, "epsilon")
+    compiled = relprop.LRP(model, "epsilon", compile="aot_eager")
+    for attached, compilations in [(False, 1), (True, 2), (False, 2), (True, 2)]:
+        found = derivative(compiled, attached)
+        assert compiled._program.split is None and compiled._program.compilations == compilations
+        for got, want in zip(found, derivative(eager, attached), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
 def test_a_target_that_is_not_indices_takes_the_recorded_pass_under_compile():
     """A Contrastive target cannot run as the whole program: the compiled explainer records a pass (Dynamo's
     graph run as it is) and differentiates it, as without compile=."""

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import warnings
 
 import pytest
 import torch
@@ -136,6 +137,11 @@ def test_a_mask_for_all_channels_and_the_model_mode_are_kept():
     shares = penalty(model, x, whole, torch.tensor([0, 1, 2]), composite="epsilon", create_graph=False)
     assert torch.allclose(shares, torch.ones(3))  # the whole explanation lies inside a mask of everything
     assert model.training  # explained in eval mode, then put back
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a training loop's model in training mode is no reason to warn
+        explained = Penalty(model, "epsilon").explain(x, torch.tensor([0, 1, 2]), create_graph=False)
+    assert model.training and all(module.training for module in model.modules())
+    assert torch.equal(explained, relprop.LRP(model.eval(), "epsilon").attribute(x, torch.tensor([0, 1, 2])))
 
 
 def test_an_explanation_that_is_zero_everywhere_has_no_share():

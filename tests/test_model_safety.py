@@ -75,6 +75,24 @@ def test_training_mode_is_explained_in_eval_mode_and_restored():
     assert_untouched(net, before)  # running statistics were not updated
 
 
+def test_a_module_class_that_watches_its_training_flag_sees_each_change():
+    """Eval mode is set past nn.Module.__setattr__ only where the class keeps that one."""
+    seen = []
+
+    class Watched(nn.Linear):
+        def __setattr__(self, name, value):
+            if name == "training":
+                seen.append(value)
+            super().__setattr__(name, value)
+
+    net = nn.Sequential(Watched(4, 3), nn.ReLU()).double().train()
+    seen.clear()
+    with pytest.warns(UserWarning, match="training mode"):
+        relprop.LRP(net).attribute(torch.randn(2, 4, dtype=torch.float64), target=0)
+    assert seen == [False, True]
+    assert all(module.training for module in net.modules())
+
+
 @pytest.mark.parametrize("preset", ["epsilon", "epsilon-plus", "epsilon-alpha2-beta1", "epsilon-gamma-box"])
 def test_activations_kept_by_hooks_are_not_overwritten(preset):
     """Rules write into an op's output only where no other tensor shares its memory."""

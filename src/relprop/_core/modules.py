@@ -27,11 +27,20 @@ def evaluation(model: nn.Module, warning: str | None = None) -> Iterator[None]:
         warn_caller(warning)
     try:
         for module in training:
-            module.training = False
+            _set_training(module, False)
         yield
     finally:
         for module in training:
-            module.training = True
+            _set_training(module, True)
+
+
+def _set_training(module: nn.Module, mode: bool) -> None:
+    """``module.training = mode``; past ``nn.Module.__setattr__``, whose checks for parameters, buffers and
+    submodules cost more than the whole flag, where the module's class keeps that ``__setattr__``."""
+    if type(module).__setattr__ is nn.Module.__setattr__:
+        object.__setattr__(module, "training", mode)
+    else:  # a class of its own may watch the flag
+        module.training = mode
 
 
 @contextmanager

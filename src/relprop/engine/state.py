@@ -30,6 +30,8 @@ _ABSENT = object()
 #: what a snapshot holds as it is: modules (their structure is read apart), classes and functions
 _BY_IDENTITY = (nn.Module, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
                 functools.partial, types.ModuleType)
+#: values a snapshot holds as they are, tested first: most of what a rule or a composite holds
+_PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None)})
 
 
 def same(a: Any, b: Any) -> bool:
@@ -43,6 +45,8 @@ def same(a: Any, b: Any) -> bool:
 def snapshot(value: Any, seen: frozenset[int] = frozenset()) -> Any:
     """``value`` as a comparable snapshot, read deeply: containers and plain objects (a rule, a settings object) by
     their contents, tensors by identity and memory, modules, functions and classes by identity."""
+    if type(value) in _PLAIN:
+        return value
     if isinstance(value, Tensor):
         return ("tensor", id(value), value.data_ptr(), value.shape, value.stride())
     if isinstance(value, (list, tuple)):
@@ -55,7 +59,8 @@ def snapshot(value: Any, seen: frozenset[int] = frozenset()) -> Any:
         return value
     if id(value) in seen:  # a cycle back to an object read above
         return ("cycle", id(value))
-    return (type(value), snapshot(vars(value), seen | {id(value)}))
+    inner = seen | {id(value)}
+    return (type(value), tuple([(key, snapshot(v, inner)) for key, v in vars(value).items()]))
 
 
 def module_rule(module: nn.Module) -> Any:

@@ -36,15 +36,19 @@ def forward_arguments(value: Any) -> tuple[tuple, dict]:
 def explained_arguments(inputs: Inputs, additional_forward_args: Any,
                         attached: bool = False) -> tuple[tuple[Tensor, ...], tuple, dict]:
     """What an explanation runs the model on: the inputs as leaves (floating-point ones detached, requiring grad;
-    token ids as they are), and the model's further positional and keyword arguments. ``attached``: a
-    floating-point input that requires grad stays as it is (a differentiable relevance is differentiated with
-    respect to it, through whatever computed it)."""
+    token ids as they are), and the model's further positional and keyword arguments.
+
+    ``attached``: for a differentiable relevance, a floating-point input that requires grad stays as it is (the
+    relevance is differentiated with respect to it, through whatever computed it), and the others are detached
+    without requiring grad: the differentiable program makes them its leaves
+    (:func:`~relprop.methods.differentiable.own_leaves`), knowing so which inputs need no derivative."""
     inputs = as_tuple(inputs)
     if not inputs or not all(isinstance(x, Tensor) for x in inputs):
         raise TypeError("relprop: inputs must be a tensor or a tuple of tensors")
     extra, keywords = forward_arguments(additional_forward_args)
-    return tuple(x if not x.is_floating_point() or (attached and x.requires_grad) else x.detach().requires_grad_()
-                 for x in inputs), extra, keywords
+    if attached:
+        return tuple(x if not x.is_floating_point() or x.requires_grad else x.detach() for x in inputs), extra, keywords
+    return tuple(x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs), extra, keywords
 
 
 def format_inputs(inputs: Inputs) -> tuple[Tensor, ...]:

@@ -211,8 +211,8 @@ class Compiled:
             warn_caller(f"relprop: compile=True fell back to interception: {reason}", CompileFallbackWarning)
 
     def whole(self, model: nn.Module, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any],
-                  composite: Any, target: Any, totals: bool = False, create_graph: bool = False
-                  ) -> tuple[tuple[Tensor, ...], Tensor | None] | None:
+                  composite: Any, target: Any, totals: bool = False, create_graph: bool = False,
+                  differentiated: tuple[int, ...] = ()) -> tuple[tuple[Tensor, ...], Tensor | None] | None:
         """The whole attribution as one program (:func:`~relprop.methods.compiled_program.attribution`: the forward pass, the seed, the backward
         pass and the products with the inputs, which Inductor compiles together): each input's relevance, and
         with ``totals`` the seed's total per example. None where it does not run so, :attr:`split` says why (a
@@ -220,7 +220,8 @@ class Compiled:
         compile): the caller then records a pass, which runs compiled as a forward and a backward program where
         it can, or, where :attr:`records` is False (a relevance that is not finite), under interception. The target is checked against the logits
         (:func:`~relprop.methods.targets.checked_columns`) after the program ran. ``create_graph``: the relevance
-        differentiable (:class:`~relprop.methods.differentiable.Differentiable`)."""
+        differentiable (:class:`~relprop.methods.differentiable.Differentiable`) in the parameters and the inputs
+        numbered in ``differentiated``."""
         selection = target_indices(target)
         self._local.records = True
         if selection is None:
@@ -230,12 +231,12 @@ class Compiled:
         probes = probes_of(leaves)
         signature = pass_signature(leaves, extra, keywords, torch.is_grad_enabled(), torch.is_autocast_enabled(),
                                    self.dynamic, "whole", tuple(index.shape for index in selection), totals,
-                                   create_graph)
+                                   create_graph, differentiated)
         self.split = reason or self._refused.get(signature)
         if self.split is None:
             with _autograd_traced():
                 found, self.split = self._run(self._whole, "whole attribution", signature, leaves, probes, extra,
-                                              keywords, selection, totals, create_graph)
+                                              keywords, selection, totals, create_graph, differentiated)
         if self.split is None and not bool(found[3]):
             # not finite: a NaN of the model's, or a decision taken when the program was traced that does not hold
             # for these inputs (attention written out). Interception decides again, and its guard names the op

@@ -28,24 +28,26 @@ class Explained(nn.Module):
 
     def forward(self, inputs: tuple[Tensor, ...], probes: tuple[Tensor, ...], extra: tuple,
                 keywords: dict[str, Any], selection: tuple[Tensor, ...] | None = None, totals: bool = False,
-                create_graph: bool = False) -> Any:
+                create_graph: bool = False, differentiated: tuple[int, ...] = ()) -> Any:
         """The model's output and the probes; with ``selection``, the whole attribution (:func:`attribution`)."""
         if self.stamp == "":  # never: the comparison makes Dynamo guard the stamp's value
             return None
         output = self.model(*(x.clone() if x.requires_grad else x for x in inputs), *extra, **keywords)
         if selection is not None:
-            return attribution(model_logits(output), inputs, probes, selection, totals, create_graph)
+            return attribution(model_logits(output), inputs, probes, selection, totals, create_graph, differentiated)
         # used, so that they are inputs of the graph, for the embeddings to read (a tensor returned as it is is not)
         return output, tuple(probe * 1 for probe in probes)
 
 
 def attribution(logits: Tensor, inputs: tuple[Tensor, ...], probes: tuple[Tensor, ...],
-                 selection: tuple[Tensor, ...], totals: bool, create_graph: bool = False) -> tuple:
+                 selection: tuple[Tensor, ...], totals: bool, create_graph: bool = False,
+                 differentiated: tuple[int, ...] = ()) -> tuple:
     """The relevance of each input for the logits that ``selection`` selects (:func:`selection_mask`), as
     :meth:`~relprop.methods.ForwardPass.propagate` gives it in gradient form: the logits, the relevance, whether
     a selected logit is 0 (its relevance per unit is lost), whether the relevance is finite, and with ``totals``
     the seed's total per example (else None). With ``create_graph`` the relevance and the totals are functions
-    of the parameters and inputs (the backward pass recorded, the inputs not detached)."""
+    of the parameters and of the inputs numbered in ``differentiated`` (the backward pass recorded, those inputs
+    not detached; reading them here makes Dynamo guard which they are)."""
     mask = selection_mask(logits, selection)
     leaves = [x for x in inputs if x.requires_grad] + list(probes)
     # each leaf reaches what is differentiated, by 0 outside the model: as Dynamo traces the plain forward pass,
@@ -53,7 +55,7 @@ def attribution(logits: Tensor, inputs: tuple[Tensor, ...], probes: tuple[Tensor
     reached = logits + sum(leaf.sum().to(logits.dtype) for leaf in leaves) * 0
     grads = torch.autograd.grad(reached, leaves, (mask & (logits != 0)).to(logits.dtype), create_graph=create_graph)
     explained = iter(grads[:len(leaves) - len(probes)])
-    own = {index: next(explained) * (x if create_graph else x.detach())
+    own = {index: next(explained) * (x if create_graph and index in differentiated else x.detach())
            for index, x in enumerate(inputs) if x.requires_grad}
     collected = {index: [grad] for index, grad in enumerate(grads[len(leaves) - len(probes):])}
     relevance = [r if create_graph else r.detach() for r in per_input(inputs, own, collected, logits.dtype)]

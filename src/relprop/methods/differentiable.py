@@ -42,7 +42,7 @@ from relprop.methods.forward_pass import ForwardPass
 from relprop.ops.recurrent import unrolled_layers
 from relprop.methods.targets import model_logits
 
-__all__ = ["Differentiable"]
+__all__ = ["Differentiable", "own_leaves"]
 
 
 #: held while a differentiable forward pass runs (see Differentiable.record)
@@ -78,7 +78,7 @@ class Differentiable(Compiled):
                composite: Any, reusable: bool, strict: bool, guard: bool) -> ForwardPass:
         """One forward pass of the program on ``leaves``: its relevance for any seed is differentiable
         (:meth:`~relprop.methods.ForwardPass.propagate` with ``create_graph=True``)."""
-        pass_ = Holding()
+        pass_, (leaves, _) = Holding(), own_leaves(leaves)
         with _differentiable_run(model, pass_):
             found = self.forward(model, leaves, extra, keywords, composite)
         assert found is not None  # _fell_back raised
@@ -88,12 +88,16 @@ class Differentiable(Compiled):
                            True, pass_.relevance_pass, differentiable=True)
 
     def whole(self, model: nn.Module, leaves: tuple[Tensor, ...], extra: tuple, keywords: dict[str, Any],
-              composite: Any, target: Any, totals: bool = False, create_graph: bool = True
-              ) -> tuple[tuple[Tensor, ...], Tensor | None] | None:
+              composite: Any, target: Any, totals: bool = False, create_graph: bool = True,
+              differentiated: tuple[int, ...] = ()) -> tuple[tuple[Tensor, ...], Tensor | None] | None:
         """The differentiable relevance as one program (:meth:`Compiled.whole` with ``create_graph``); None where
-        the target is not indices (:attr:`split` says so): the caller then records a pass."""
+        the target is not indices (:attr:`split` says so): the caller then records a pass. The inputs it is
+        differentiated in are those of ``leaves`` that require grad (:func:`own_leaves`), whatever
+        ``differentiated`` says."""
+        leaves, self._local.differentiated = own_leaves(leaves)
         with _differentiable_run(model, Holding()):
-            return super().whole(model, leaves, extra, keywords, composite, target, totals, create_graph=True)
+            return super().whole(model, leaves, extra, keywords, composite, target, totals, True,
+                                 self._local.differentiated)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], kind: str) -> Any:
         """A recorded pass's graph runs as it is; a whole attribution's relevance pass is traced as the relevance
@@ -106,6 +110,7 @@ class Differentiable(Compiled):
         grad = next(reversed(gm.graph.find_nodes(op="call_function", target=torch.autograd.grad)), None)
         if grad is not None:
             grad.target = relevance_grad
+            _derivative_needless(gm, self._local.call.leaves, self._local.differentiated)
             gm.recompile()
         return super()._compile(gm, example_inputs, kind)
 
@@ -117,6 +122,32 @@ class Differentiable(Compiled):
                                  f"differentiable program: {reason}")
 
 
+def own_leaves(leaves: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
+    """The leaves a differentiable program runs on, from :func:`~relprop.methods._inputs.explained_arguments`'
+    with ``attached``: each floating-point input that does not require grad (a detached copy, relprop's own)
+    made to require it; and the numbers of those that required it already, the inputs that the relevance is
+    differentiated in."""
+    differentiated = tuple(index for index, x in enumerate(leaves) if x.requires_grad)
+    return tuple(x.requires_grad_() if x.is_floating_point() else x for x in leaves), differentiated
+
+
+def _derivative_needless(gm: fx.GraphModule, leaves: tuple[Tensor, ...], differentiated: tuple[int, ...]) -> None:
+    """In a whole attribution's graph, each input leaf that the relevance is not differentiated in (not
+    numbered in ``differentiated``) replaced by a leaf of its own made in the graph: AOT autograd computes the
+    derivative of every input that requires grad, whether or not anything reads it, and the input's derivative
+    costs as much as a layer's (the first layer's product with the incoming gradient)."""
+    needless = [leaf for index, leaf in enumerate(leaves) if index not in differentiated and leaf.requires_grad]
+    for n in gm.graph.find_nodes(op="placeholder"):
+        graph_arg = n.meta.get("grapharg")
+        if graph_arg is None or not any(graph_arg.example is leaf for leaf in needless):
+            continue
+        with gm.graph.inserting_after(n):
+            detached = gm.graph.call_method("detach", (n,))
+        with gm.graph.inserting_after(detached):
+            leaf = gm.graph.call_method("requires_grad_", (detached,))
+        n.replace_all_uses_with(leaf, delete_user_cb=lambda user: user is not detached)
+
+
 @contextmanager
 def _differentiable_run(model: nn.Module, pass_: Holding) -> Iterator[None]:
     """Where a differentiable program runs (and is traced): ``pass_`` holds, fused attention takes its math kernel
@@ -125,6 +156,7 @@ def _differentiable_run(model: nn.Module, pass_: Holding) -> Iterator[None]:
 
     # Dynamo traces a recurrent layer's forward (allow_rnn) where unrolled_layers wrote it op by op; both change
     # what every thread sees, so one differentiable forward pass runs at a time
+    recurrent = any(isinstance(module, nn.RNNBase) for module in model.modules())
     with (_FORWARD, holding(pass_), sdpa_kernel(SDPBackend.MATH), unrolled_layers(model),
-          config.patch(allow_rnn=True)):
+          config.patch(allow_rnn=True) if recurrent else nullcontext()):  # patching costs more than the check
         yield

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from relprop import composites
+from relprop._core.modules import evaluation
 from relprop.methods import LRP
 
 __all__ = ["GRADIENT", "Penalty", "check_mask", "penalty"]
@@ -105,9 +106,7 @@ class Penalty:
         (dropout off, BatchNorm's running statistics), as :class:`~relprop.LRP` explains, and the model's mode
         restored.
         """
-        training = self.model.training
-        self.model.eval()  # as relprop.LRP explains: dropout off, BatchNorm's running statistics
-        try:
+        with evaluation(self.model):  # as relprop.LRP explains, without its warning for a model in training
             if self.lrp is not None:
                 return self.lrp.attribute(inputs, target, create_graph=create_graph)
             leaf = inputs.detach().requires_grad_(True)
@@ -115,8 +114,6 @@ class Penalty:
                 log_probabilities = F.log_softmax(self.model(leaf), dim=1)
                 (gradient,) = torch.autograd.grad(log_probabilities.sum(), leaf, create_graph=create_graph)
             return gradient
-        finally:
-            self.model.train(training)
 
     def __call__(self, inputs: Tensor, mask: Tensor, target: Any = None, create_graph: bool = True) -> Tensor:
         """The penalty of each example, shape ``(N,)``.
