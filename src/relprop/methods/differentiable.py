@@ -156,7 +156,6 @@ def _differentiable_run(model: nn.Module, pass_: Holding) -> Iterator[None]:
 
     # Dynamo traces a recurrent layer's forward (allow_rnn) where unrolled_layers wrote it op by op; both change
     # what every thread sees, so one differentiable forward pass runs at a time
-    recurrent = any(isinstance(module, nn.RNNBase) for module in model.modules())
-    with (_FORWARD, holding(pass_), sdpa_kernel(SDPBackend.MATH), unrolled_layers(model),
-          config.patch(allow_rnn=True) if recurrent else nullcontext()):  # patching costs more than the check
+    with (_FORWARD, holding(pass_), sdpa_kernel(SDPBackend.MATH), unrolled_layers(model) as layers,
+          config.patch(allow_rnn=True) if layers else nullcontext()):  # patching costs more than the check
         yield

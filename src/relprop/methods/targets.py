@@ -165,6 +165,9 @@ def target_indices(target: Target) -> tuple[Tensor, ...] | None:
     """:func:`target_columns` as index tensors (int64, shape ``(1,)`` or ``(n,)``) for :func:`selection_mask`: a
     compiled program selects with them whatever their values, where the values of Python integers would each be
     compiled into a program of their own."""
+    if (isinstance(target, Tensor) and target.dim() == 1 and len(target) and target.dtype != torch.bool
+            and not target.is_floating_point() and not target.is_complex()):
+        return (target.to(torch.int64),)  # a training loop's labels as they are, not through a list
     columns = target_columns(target)
     return None if columns is None else tuple(torch.tensor(column, dtype=torch.int64) for column in columns)
 

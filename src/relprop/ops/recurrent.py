@@ -234,11 +234,12 @@ _FORWARDS: weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]] = weakref.We
 
 
 @contextmanager
-def unrolled_layers(model: nn.Module) -> Iterator[None]:
+def unrolled_layers(model: nn.Module) -> Iterator[list[nn.RNNBase]]:
     """Inside the block each recurrent layer of ``model`` (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) runs unrolled, so
     that a traced program holds its ops one by one, each with its rule, as interception explains them (its value
     the unrolled computation's, equal to the fused kernel's to rounding); its forward as it was after the block,
-    also when an exception flies. A layer whose forward was replaced already is left as it is."""
+    also when an exception flies. A layer whose forward was replaced already is left as it is. The block gets
+    the layers it unrolls."""
     layers = [module for module in model.modules()
               if isinstance(module, nn.RNNBase) and module.mode in _KINDS and "forward" not in vars(module)]
     try:
@@ -246,7 +247,7 @@ def unrolled_layers(model: nn.Module) -> Iterator[None]:
             if module not in _FORWARDS:
                 _FORWARDS[module] = _unrolled_forward(module)
             module.forward = _FORWARDS[module]
-        yield
+        yield layers
     finally:
         for module in layers:
             vars(module).pop("forward", None)

@@ -27,7 +27,8 @@ GRADIENT = "gradient"
 
 
 def check_mask(mask: Tensor, inputs: Tensor) -> Tensor:
-    """``mask`` as the inputs' floating-point type, once checked to fit them.
+    """``mask`` as the inputs' floating-point type (a boolean one as it is: a product with it takes the other
+    factor's type), once checked to fit them.
 
     It fits when it has the inputs' number of dimensions and batch size, and each other dimension equals the
     inputs' or is 1 (one mask for all channels: ``(N, 1, H, W)`` for inputs ``(N, C, H, W)``); otherwise
@@ -39,7 +40,7 @@ def check_mask(mask: Tensor, inputs: Tensor) -> Tensor:
         raise ValueError(f"relprop: a mask of shape {tuple(mask.shape)} does not fit the inputs of shape "
                          f"{tuple(inputs.shape)}: it needs their batch size and shape, with 1 where it holds for "
                          "the whole dimension (e.g. (N, 1, H, W) for all channels)")
-    return mask.to(inputs.dtype)
+    return mask if mask.dtype == torch.bool else mask.to(inputs.dtype)
 
 
 class Penalty:
