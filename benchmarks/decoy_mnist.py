@@ -13,7 +13,8 @@ the corners, the test shades, the initial weights and the batches), in each of t
 - ``RRR``: cross-entropy + ``weight * mean(penalty)`` with the input gradient of the summed log-probabilities,
   squared and summed on the swatch (:class:`relprop.workflows.guided.Penalty` with ``"gradient"``);
 - ``LRP <composite>``: the same with the share of the squared relevance of the true class on the swatch
-  (``Penalty(model, composite)``, relevance differentiated in the parameters).
+  (``Penalty(model, composite)``, relevance differentiated in the parameters); ``LRP epsilon, sum of squares``:
+  the squared relevance on the swatch summed, as RRR's gradient (``normalize=False``).
 
 The table gives test accuracy on the decoy test set (mean and standard deviation over the seeds), the share of
 relevance on the swatch at test (``sum |R|`` on the swatch over ``sum |R|``, LRP ``epsilon`` for the true class,
@@ -21,8 +22,9 @@ mean over the test digits and the seeds) and the time of a training step against
 the seeds of the median step's time: a step's own cost, without the first step's compilation, which each seed's
 line gives). ``--figure DIR`` writes ``DIR/heatmaps.png``: test digits and their relevance
 under the models of the first seed. ``--cost`` times one batch of 64 instead, interleaved round by round: a
-plain attribution, a differentiable one with the backward pass of its penalty, RRR's double backward and a plain
-training step (forward and backward of the cross-entropy).
+plain attribution, a differentiable one with the backward pass of its penalty, RRR's double backward, a plain
+forward and backward pass, and whole training steps (Adam included): plain, with the compiled LRP penalty, with
+RRR.
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ EXPLAINERS: dict[str, tuple[relprop.Composite | str, float, dict[str, Any]]] = {
     "LRP epsilon": ("epsilon", 10.0, {}),
     # the same penalty with the relevance and its derivative one Inductor program
     "LRP epsilon, compiled": ("epsilon", 10.0, {"compile": True}),
+    # Ross et al.'s plain sum of squares instead of the share (compiled, as the row above)
+    "LRP epsilon, sum of squares": ("epsilon", 30.0, {"normalize": False, "compile": True}),
     # AttnLRP's preset: LRP-0 on the MLP's dense layers (its rules for attention and norms find none here)
     "LRP attnlrp": ("attnlrp", 10.0, {}),
     # epsilon-gamma-box's first-layer rule (ZBox, bounded by the pixels' range [0, 1]) on the MLP's first layer:
@@ -139,7 +143,7 @@ def table(seeds: list[int], epochs: int, weights: dict[str, float], figure: Path
         spread = statistics.stdev(scores) if len(scores) > 1 else 0.0
         shares = statistics.mean(row[1] for row in rows)
         print(f"| {name} | {statistics.mean(scores):.3f} ± {spread:.3f} | {shares:.3f} | "
-              f"{statistics.median(row[2] for row in rows) / plain_step:.1f}x |")
+              f"{statistics.median(row[2] for row in rows) / plain_step:.2f}x |")
 
 
 def heatmaps(models: dict[str, nn.Module], data: DecoyMNIST, folder: Path) -> None:
@@ -147,7 +151,7 @@ def heatmaps(models: dict[str, nn.Module], data: DecoyMNIST, folder: Path) -> No
     from relprop.viz import save_heatmap_grid  # matplotlib only for the figure
 
     images, labels = data.test_images[:6], data.test_labels[:6]
-    maps = {name.split(" (")[0]: relprop.LRP(model, "epsilon").attribute(images, labels)
+    maps = {name.split(" (")[0].replace(", ", ",\n"): relprop.LRP(model, "epsilon").attribute(images, labels)
             for name, model in models.items()}
     folder.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
@@ -160,14 +164,15 @@ def heatmaps(models: dict[str, nn.Module], data: DecoyMNIST, folder: Path) -> No
 
 def cost(rounds: int) -> None:
     """Median times of one batch of 64: attribution, differentiable attribution + backward (eager and compiled),
-    RRR, a plain step."""
+    RRR, a plain forward and backward pass; then whole training steps (Adam included): plain, with the compiled
+    LRP penalty, with RRR."""
     data = decoy_mnist(0)
     images, labels, masks = data.train_images[:64], data.train_labels[:64], data.train_masks[:64]
     model = mlp(0)
     lrp, explained, rrr = relprop.LRP(model, "epsilon"), Penalty(model, "epsilon"), Penalty(model, GRADIENT)
     one_program = Penalty(model, "epsilon", compile=True)
 
-    def plain_step() -> None:
+    def forward_backward() -> None:
         F.cross_entropy(model(images), labels).backward()
 
     def differentiable() -> None:
@@ -179,16 +184,36 @@ def cost(rounds: int) -> None:
     def double_backward() -> None:
         rrr(images, masks).mean().backward()
 
-    found = interleaved({"attribution (lrp.attribute)": lambda: lrp.attribute(images, labels),
-                         "differentiable attribution + backward of its penalty": differentiable,
-                         "the same, compile=True (one Inductor program)": compiled,
-                         "RRR: input gradient + backward of its penalty (double backward)": double_backward,
-                         "plain training step's forward and backward": plain_step}, rounds, "cpu")
-    base = found["attribution (lrp.attribute)"]
-    print("\n| batch of 64, MLP 784-50-30-10 | median (ms) | / attribution |")
-    print("| --- | --- | --- |")
+    def training_step(penalty: Callable[[nn.Module], Penalty] | None) -> Callable[[], None]:
+        """A step of its own model and optimizer (as decoy MNIST trains), with ``penalty`` of that model."""
+        trained = mlp(0)
+        optimizer, explains = torch.optim.Adam(trained.parameters(), lr=1e-3), penalty and penalty(trained)
+
+        def step() -> None:
+            loss = F.cross_entropy(trained(images), labels)
+            if explains is not None:
+                loss = loss + 10.0 * explains(images, masks, labels).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return step
+
+    found = interleaved({
+        "attribution (lrp.attribute)": lambda: lrp.attribute(images, labels),
+        "differentiable attribution + backward of its penalty": differentiable,
+        "the same, compile=True (one Inductor program)": compiled,
+        "RRR: input gradient + backward of its penalty (double backward)": double_backward,
+        "plain forward and backward pass of the cross-entropy": forward_backward,
+        "training step, plain (cross-entropy, backward, Adam)": training_step(None),
+        "training step with the LRP epsilon penalty, compile=True": training_step(
+            lambda m: Penalty(m, "epsilon", compile=True)),
+        "training step with RRR": training_step(lambda m: Penalty(m, GRADIENT)),
+    }, rounds, "cpu")
+    base, step = found["attribution (lrp.attribute)"], found["training step, plain (cross-entropy, backward, Adam)"]
+    print("\n| batch of 64, MLP 784-50-30-10 | median (ms) | / attribution | / plain training step |")
+    print("| --- | --- | --- | --- |")
     for name, seconds in found.items():
-        print(f"| {name} | {1e3 * seconds:.2f} | {seconds / base:.2f} |")
+        print(f"| {name} | {1e3 * seconds:.2f} | {seconds / base:.2f} | {seconds / step:.2f} |")
 
 
 def main() -> None:
