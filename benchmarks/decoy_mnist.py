@@ -187,7 +187,8 @@ def cost(rounds: int) -> None:
     def training_step(penalty: Callable[[nn.Module], Penalty] | None) -> Callable[[], None]:
         """A step of its own model and optimizer (as decoy MNIST trains), with ``penalty`` of that model."""
         trained = mlp(0)
-        optimizer, explains = torch.optim.Adam(trained.parameters(), lr=1e-3), penalty and penalty(trained)
+        optimizer = torch.optim.Adam(trained.parameters(), lr=1e-3)
+        explains = None if penalty is None else penalty(trained)
 
         def step() -> None:
             loss = F.cross_entropy(trained(images), labels)

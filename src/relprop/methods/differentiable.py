@@ -18,8 +18,8 @@ passes of one graph, runs Dynamo's graph as it is. A whole attribution under ``c
 (:meth:`Differentiable.whole`) is compiled with the relevance pass traced into the program
 (:func:`~relprop._core.held.relevance_grad`): AOT autograd traces it while the held quantities get no gradient,
 and the program's own backward pass afterwards, so that a training step is one program. A model that Dynamo
-cannot capture whole, or an op or rule that has no gradient form, raises :class:`~relprop.UnsupportedOpError` with the reason: interception has no differentiable form
-to fall back to. Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) run unrolled into the ops interception
+cannot capture whole, or an op or rule that has no gradient form, raises :class:`~relprop.UnsupportedOpError`
+with the reason: interception has no differentiable form to fall back to. Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) run unrolled into the ops interception
 explains them by (:func:`~relprop.ops.recurrent.unrolled_layers`). Fused attention
 (``F.scaled_dot_product_attention``) runs its math kernel: PyTorch's flash kernel on the CPU has no double backward.
 """
@@ -128,7 +128,9 @@ def own_leaves(leaves: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], tuple[in
     made to require it; and the numbers of those that required it already, the inputs that the relevance is
     differentiated in."""
     differentiated = tuple(index for index, x in enumerate(leaves) if x.requires_grad)
-    return tuple(x.requires_grad_() if x.is_floating_point() else x for x in leaves), differentiated
+    # the caller's own tensors (those that require grad, and token ids) are left untouched
+    own = tuple(x.requires_grad_() if x.is_floating_point() and not x.requires_grad else x for x in leaves)
+    return own, differentiated
 
 
 def _derivative_needless(gm: fx.GraphModule, leaves: tuple[Tensor, ...], differentiated: tuple[int, ...]) -> None:
