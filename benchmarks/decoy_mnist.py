@@ -1,6 +1,6 @@
 """Decoy MNIST (Ross et al. 2017): training with a penalty on relevance inside the decoy, against RRR and plain training.
 
-    OMP_NUM_THREADS=1 python benchmarks/decoy_mnist.py [--seeds 0 1 2] [--epochs 30] [--figure DIR]
+    OMP_NUM_THREADS=1 python benchmarks/decoy_mnist.py [--seeds 0 1 2 3 4] [--epochs 30] [--figure DIR]
     OMP_NUM_THREADS=1 python benchmarks/decoy_mnist.py --cost [--rounds 30]
 
 The MLP of Ross et al. (784-50-30-10, ReLU; Adam with learning rate 1e-3, batches of 64) learns decoy MNIST
@@ -12,15 +12,19 @@ the corners, the test shades, the initial weights and the batches), in each of t
 - ``plain``: cross-entropy alone;
 - ``RRR``: cross-entropy + ``weight * mean(penalty)`` with the input gradient of the summed log-probabilities,
   squared and summed on the swatch (:class:`relprop.workflows.guided.Penalty` with ``"gradient"``);
-- ``LRP <composite>``: the same with the share of the squared relevance of the true class on the swatch
-  (``Penalty(model, composite)``, relevance differentiated in the parameters); ``LRP epsilon, sum of squares``:
-  the squared relevance on the swatch summed, as RRR's gradient (``normalize=False``).
+- ``LRP <composite>``: the same with the squared relevance of the true class on the swatch, summed
+  (``Penalty(model, composite)``, relevance differentiated in the parameters); ``LRP epsilon, share``: its share
+  of the squared relevance instead (``normalize=True``).
 
 The table gives test accuracy on the decoy test set (mean and standard deviation over the seeds), the share of
 relevance on the swatch at test (``sum |R|`` on the swatch over ``sum |R|``, LRP ``epsilon`` for the true class,
-mean over the test digits and the seeds) and the time of a training step against a plain step's (the median over
-the seeds of the median step's time: a step's own cost, without the first step's compilation, which each seed's
-line gives). ``--figure DIR`` writes ``DIR/heatmaps.png``: test digits and their relevance
+mean over the test digits and the seeds), the swatch sensitivity (the squared input gradient of the true class's
+logit on the swatch, ``sum_i (m_i df_y/dx_i)^2``, mean over the test digits and the seeds: how much the model still
+reads the swatch, whatever its shade), dark / light (that sensitivity on the training digits whose swatches are
+darkest, labels 6 to 9, over the lightest's, 0 to 3; mean over the seeds) and the time of a training step against a
+plain step's (the median over the seeds of the median step's time: a step's own cost, without the first step's
+compilation, which each seed's line gives).
+``--figure DIR`` writes ``DIR/heatmaps.png``: test digits and their relevance
 under the models of the first seed. ``--cost`` times one batch of 64 instead, interleaved round by round: a
 plain attribution, a differentiable one with the backward pass of its penalty, RRR's double backward, a plain
 forward and backward pass, and whole training steps (Adam included): plain, with the compiled LRP penalty, with
@@ -48,18 +52,19 @@ from relprop.workflows.guided import GRADIENT, Penalty
 #: further arguments of its relprop.LRP
 EXPLAINERS: dict[str, tuple[relprop.Composite | str, float, dict[str, Any]]] = {
     "RRR": (GRADIENT, 10.0, {}),
-    "LRP epsilon": ("epsilon", 10.0, {}),
+    "LRP epsilon": ("epsilon", 30.0, {}),
     # the same penalty with the relevance and its derivative one Inductor program
-    "LRP epsilon, compiled": ("epsilon", 10.0, {"compile": True}),
-    # Ross et al.'s plain sum of squares instead of the share (compiled, as the row above)
-    "LRP epsilon, sum of squares": ("epsilon", 30.0, {"normalize": False, "compile": True}),
+    "LRP epsilon, compiled": ("epsilon", 30.0, {"compile": True}),
+    # the share of the squared relevance on the swatch instead of its sum (compiled, as the row above)
+    "LRP epsilon, share": ("epsilon", 10.0, {"normalize": True, "compile": True}),
     # AttnLRP's preset: LRP-0 on the MLP's dense layers (its rules for attention and norms find none here)
-    "LRP attnlrp": ("attnlrp", 10.0, {}),
+    "LRP attnlrp": ("attnlrp", 30.0, {}),
     # epsilon-gamma-box's first-layer rule (ZBox, bounded by the pixels' range [0, 1]) on the MLP's first layer:
     # its presets differ from epsilon on an MLP only by the first layer, and epsilon-plus-flat's Flat gives every
     # pixel the same share there. ZBox gives the swatch's pixels relevance of their bounds whatever their shade,
-    # so its penalty needs a larger weight
-    "LRP zbox-epsilon": (relprop.Composite(1e-6, first={"dense": relprop.rules.ZBox(0.0, 1.0)}), 100.0, {}),
+    # which puts relevance of the scale of the bounds on the swatch: the share, at a larger weight
+    "LRP zbox-epsilon": (relprop.Composite(1e-6, first={"dense": relprop.rules.ZBox(0.0, 1.0)}), 100.0,
+                         {"normalize": True}),
 }
 
 
@@ -99,6 +104,23 @@ def swatch_share(model: nn.Module, data: DecoyMNIST) -> float:
     return (inside / relevance.sum(1).clamp_min(1e-30)).mean().item()
 
 
+def sensitivity(model: nn.Module, images: Tensor, labels: Tensor, masks: Tensor) -> Tensor:
+    """Each digit's squared input gradient of its true class's logit on the swatch, ``sum_i (m_i df_y/dx_i)^2``:
+    how much the model still reads the swatch, whatever its shade."""
+    leaf = images.detach().requires_grad_(True)
+    (gradient,) = torch.autograd.grad(model(leaf).gather(1, labels[:, None]).sum(), leaf)
+    return (gradient * masks).pow(2).flatten(1).sum(1)
+
+
+def swatch_sensitivity(model: nn.Module, data: DecoyMNIST) -> tuple[float, float]:
+    """The mean :func:`sensitivity` on the test digits; and in training, that of the darkest swatches' digits
+    (labels 6 to 9) over that of the lightest (0 to 3)."""
+    test = sensitivity(model, data.test_images, data.test_labels, data.test_masks).mean().item()
+    train = sensitivity(model, data.train_images, data.train_labels, data.train_masks)
+    dark, light = train[data.train_labels >= 6].mean(), train[data.train_labels <= 3].mean()
+    return test, (dark / light.clamp_min(1e-30)).item()
+
+
 def accuracy(model: nn.Module, data: DecoyMNIST) -> float:
     """Accuracy on the decoy test set."""
     with torch.no_grad():
@@ -121,7 +143,7 @@ def ways(weights: dict[str, float]) -> dict[str, Callable[[DecoyMNIST, int, int]
 def table(seeds: list[int], epochs: int, weights: dict[str, float], figure: Path | None,
           only: list[str] | None) -> None:
     """Train every way (or ``only`` these, and plain) for every seed; print the table and write the figure."""
-    results: dict[str, list[tuple[float, float, float]]] = {}
+    results: dict[str, list[tuple[float, float, float, float, float]]] = {}
     chosen = {name: run for name, run in ways(weights).items()
               if only is None or name == "plain" or name.split(" (")[0] in only}
     for seed in seeds:
@@ -130,19 +152,23 @@ def table(seeds: list[int], epochs: int, weights: dict[str, float], figure: Path
         for name, run in chosen.items():
             model, step, first = run(data, seed, epochs)
             models[name] = model
-            results.setdefault(name, []).append((accuracy(model, data), swatch_share(model, data), step))
-            print(f"seed {seed}, {name}: accuracy {results[name][-1][0]:.3f}, swatch share "
-                  f"{results[name][-1][1]:.3f}, {1e3 * step:.2f} ms a step (the first {first:.2f} s)", flush=True)
+            results.setdefault(name, []).append((accuracy(model, data), swatch_share(model, data), step,
+                                                 *swatch_sensitivity(model, data)))
+            score, share, _, test, dark = results[name][-1]
+            print(f"seed {seed}, {name}: accuracy {score:.3f}, swatch share {share:.3f}, sensitivity {test:.1e} "
+                  f"(dark / light {dark:.1f}), {1e3 * step:.2f} ms a step (the first {first:.2f} s)", flush=True)
         if figure is not None and seed == seeds[0]:
             heatmaps(models, data, figure)
     plain_step = statistics.median(row[2] for row in results["plain"])
-    print("\n| training | test accuracy | relevance on the swatch | time per step / plain |")
-    print("| --- | --- | --- | --- |")
+    print("\n| training | test accuracy | relevance on the swatch | swatch sensitivity | dark / light | "
+          "time per step / plain |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, rows in results.items():
         scores = [row[0] for row in rows]
         spread = statistics.stdev(scores) if len(scores) > 1 else 0.0
         shares = statistics.mean(row[1] for row in rows)
         print(f"| {name} | {statistics.mean(scores):.3f} ± {spread:.3f} | {shares:.3f} | "
+              f"{statistics.mean(row[3] for row in rows):.1e} | {statistics.mean(row[4] for row in rows):.1f} | "
               f"{statistics.median(row[2] for row in rows) / plain_step:.2f}x |")
 
 
@@ -193,7 +219,7 @@ def cost(rounds: int) -> None:
         def step() -> None:
             loss = F.cross_entropy(trained(images), labels)
             if explains is not None:
-                loss = loss + 10.0 * explains(images, masks, labels).mean()
+                loss = loss + 30.0 * explains(images, masks, labels).mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -219,7 +245,7 @@ def cost(rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--weight", nargs=2, action="append", metavar=("EXPLAINER", "WEIGHT"), default=[],
                         help=f"a penalty's weight, e.g. --weight 'LRP epsilon' 100; explainers: {', '.join(EXPLAINERS)}")

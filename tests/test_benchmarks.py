@@ -200,3 +200,16 @@ def test_the_unchecked_floor_follows_its_plan_unchecked_with_the_checked_relevan
     assert torch.equal(unchecked, checked)
     runs["relprop AttnLRP"][1]()
     assert counted["checks"] > 0  # the checks are back after it
+
+
+def test_the_decoy_benchmarks_sensitivity_is_the_squared_weight_of_a_linear_model_on_the_mask():
+    import decoy_mnist
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3)).double()
+    images, labels = torch.rand(4, 1, 3, 4, dtype=torch.float64), torch.tensor([0, 2, 1, 2])
+    masks = torch.zeros(4, 1, 3, 4, dtype=torch.float64)
+    masks[:, :, :2, :2] = 1
+    rows = model[1].weight[labels].detach().reshape(4, 1, 3, 4)  # df_y/dx of a linear model: its row y
+    expected = (rows * masks).pow(2).flatten(1).sum(1)
+    torch.testing.assert_close(decoy_mnist.sensitivity(model, images, labels, masks), expected, rtol=1e-12, atol=0)
