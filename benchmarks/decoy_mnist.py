@@ -24,11 +24,10 @@ reads the swatch, whatever its shade), dark / light (that sensitivity on the tra
 darkest, labels 6 to 9, over the lightest's, 0 to 3; mean over the seeds) and the time of a training step against a
 plain step's (the median over the seeds of the median step's time: a step's own cost, without the first step's
 compilation, which each seed's line gives).
-``--figure DIR`` writes ``DIR/heatmaps.png``: test digits and their relevance
-under the models of the first seed. ``--cost`` times one batch of 64 instead, interleaved round by round: a
-plain attribution, a differentiable one with the backward pass of its penalty, RRR's double backward, a plain
-forward and backward pass, and whole training steps (Adam included): plain, with the compiled LRP penalty, with
-RRR.
+``--figure DIR`` writes ``DIR/heatmaps.png``: test digits and their relevance under the models of the first seed.
+``--cost`` times one batch of 64 instead, interleaved round by round: a plain attribution, a differentiable one
+with the backward pass of its penalty, RRR's double backward, a plain forward and backward pass, and whole training
+steps (Adam included): plain, with the compiled LRP penalty, with RRR.
 """
 from __future__ import annotations
 
