@@ -213,3 +213,28 @@ def test_the_decoy_benchmarks_sensitivity_is_the_squared_weight_of_a_linear_mode
     rows = model[1].weight[labels].detach().reshape(4, 1, 3, 4)  # df_y/dx of a linear model: its row y
     expected = (rows * masks).pow(2).flatten(1).sum(1)
     torch.testing.assert_close(decoy_mnist.sensitivity(model, images, labels, masks), expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("preset", ["epsilon-plus-flat", "epsilon-gamma-box"])
+def test_the_floor_with_precomputed_weights_convolves_with_the_floors_modified_weights(preset):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 3, 3)).eval()
+    x = torch.rand(1, 2, 7, 7)
+    seen = {}
+    for precomputed in (False, True):
+        weights = seen[precomputed] = []
+
+        class Convolutions(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten.convolution.default:
+                    weights.append(args[1].clone())
+                return func(*args, **(kwargs or {}))
+
+        floor = bench.compiled_floor(model, preset, precomputed)
+        with Convolutions():
+            floor(x)
+    count = 1 + bench.EXTRA_PRODUCTS[preset][0]  # the layer's own and its extra products (first and later alike)
+    assert len(seen[True]) == len(seen[False]) == 2 * count
+    assert all(torch.equal(a, b) for a, b in zip(seen[True], seen[False]))
+    weight = model[2].weight.detach()
+    assert torch.equal(seen[True][count + 1], weight + 0.25 * weight.clamp(min=0))  # the second layer's W + 0.25 W+
