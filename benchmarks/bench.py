@@ -629,7 +629,6 @@ def print_compiled(rounds: int, device: str, dtype: torch.dtype, cases: list[str
     """The compiled tier's targets: medians of interleaved rounds in the steady state, compile time apart.
 
     The compiled references are compiled as the tier compiles (the tensors' own layout, no weight gradients)."""
-    import torch._dynamo.config
     import torch._inductor.config
 
     torch._inductor.config.layout_optimization = False
@@ -671,8 +670,8 @@ def print_compiled(rounds: int, device: str, dtype: torch.dtype, cases: list[str
                     "eager gradient": functools.partial(plain_gradient, model, x, target)}
             if preset in EXTRA_PRODUCTS:
                 for label, precomputed in (("compiled floor", False), ("compiled floor, weights precomputed", True)):
-                    runs[label] = functools.partial(hooks_guarded, plain_gradient,
-                                                    torch.compile(compiled_floor(model, preset, precomputed)), x, target)
+                    floor = torch.compile(compiled_floor(model, preset, precomputed))
+                    runs[label] = functools.partial(hooks_guarded, plain_gradient, floor, x, target)
             goal = "<= 1.05x eager gradient" if preset == "epsilon" else "<= 1.1x compiled floor"
             row(f"{name} {size} px, batch {batch}, {preset}", runs, "relprop", goal)
     if "generation" in cases:

@@ -151,22 +151,28 @@ def test_the_profile_prints_the_costliest_ops_of_each_run(capsys):
     assert [float(row[2]) for row in rows] == [1.0, 1.0]  # one call per run, averaged over five
 
 
+class _ConvolutionWeights(torch.utils._python_dispatch.TorchDispatchMode):
+    """Inside the block, a copy of the weight of each convolution run (W+ is written into one buffer, layer by
+    layer, so the copy is taken as it runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution.default:
+            self.weights.append(args[1].clone())
+        return func(*args, **(kwargs or {}))
+
+
 def test_the_z_plus_floor_adds_one_convolution_with_w_plus_at_every_convolution_but_the_first():
     model, x, target = bench.setup("resnet18", 1, 32, "cpu")
     runs = bench.zplus_floor(model, x, target)
     convolutions = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
-    weights = []
-
-    class Convolutions(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.convolution.default:
-                weights.append(args[1].clone())  # W+ is written into one buffer, layer by layer
-            return func(*args, **(kwargs or {}))
-
     for key in ("gradient", "gradient + conv(x, W+)", "gradient + conv(x, kept W+)"):
-        weights.clear()
-        with Convolutions():
+        with _ConvolutionWeights() as recorded:
             runs[key][1]()
+        weights = recorded.weights
         if key == "gradient":
             assert len(weights) == len(convolutions)
             continue
@@ -222,17 +228,10 @@ def test_the_floor_with_precomputed_weights_convolves_with_the_floors_modified_w
     x = torch.rand(1, 2, 7, 7)
     seen = {}
     for precomputed in (False, True):
-        weights = seen[precomputed] = []
-
-        class Convolutions(torch.utils._python_dispatch.TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is torch.ops.aten.convolution.default:
-                    weights.append(args[1].clone())
-                return func(*args, **(kwargs or {}))
-
         floor = bench.compiled_floor(model, preset, precomputed)
-        with Convolutions():
+        with _ConvolutionWeights() as recorded:
             floor(x)
+        seen[precomputed] = recorded.weights
     count = 1 + bench.EXTRA_PRODUCTS[preset][0]  # the layer's own and its extra products (first and later alike)
     assert len(seen[True]) == len(seen[False]) == 2 * count
     assert all(torch.equal(a, b) for a, b in zip(seen[True], seen[False]))

@@ -19,8 +19,9 @@ passes of one graph, runs Dynamo's graph as it is. A whole attribution under ``c
 (:func:`~relprop._core.held.relevance_grad`): AOT autograd traces it while the held quantities get no gradient,
 and the program's own backward pass afterwards, so that a training step is one program. A model that Dynamo
 cannot capture whole, or an op or rule that has no gradient form, raises :class:`~relprop.UnsupportedOpError`
-with the reason: interception has no differentiable form to fall back to. Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) run unrolled into the ops interception
-explains them by (:func:`~relprop.ops.recurrent.unrolled_layers`). Fused attention
+with the reason: interception has no differentiable form to fall back to. Recurrent layers (``nn.LSTM``,
+``nn.GRU``, ``nn.RNN``) run unrolled into the ops interception explains them by
+(:func:`~relprop.ops.recurrent.unrolled_layers`). Fused attention
 (``F.scaled_dot_product_attention``) runs its math kernel: PyTorch's flash kernel on the CPU has no double backward.
 """
 from __future__ import annotations
